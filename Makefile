@@ -1,0 +1,32 @@
+# fusionscope's everyday commands. `make help` lists them.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: help setup profile test lint browser
+
+help: ## list the targets
+	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+
+$(BIN)/fusionscope: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@# Without a GPU, install the CPU torch build first: an unpinned torch pulls a multi-GB CUDA build.
+	command -v nvidia-smi >/dev/null 2>&1 || $(BIN)/pip install -q torch==2.13.0
+	@# HTA declares jupyterlab and pytest as dependencies; it needs neither. psutil, which it imports, is ours.
+	$(BIN)/pip install -q --no-deps holistictraceanalysis==0.5.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+setup: $(BIN)/fusionscope ## create .venv with fusionscope and its test tools
+
+profile: setup ## profile the default model (tiny-llama) and write a run folder under reports/
+	$(BIN)/fusionscope profile
+
+browser: ## install Debian's headless Chromium for the report tests (root, apt)
+	command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
+
+test: setup browser ## run the test suite (CPU; Triton kernels in the interpreter)
+	$(BIN)/python -m pytest
+
+lint: setup ## ruff lint and format check
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .

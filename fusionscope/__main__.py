@@ -1,0 +1,3 @@
+from fusionscope.cli import main
+
+main()

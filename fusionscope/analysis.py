@@ -1,0 +1,168 @@
+"""From a joined Timeline and the device's ceilings to the kernel table and the per-phase summary.
+
+Pure functions over DataFrames: nothing here prints, plots or reads files. The exported trace carries no FLOPs, so
+each kernel's bytes and FLOPs come from its launching aten op's recorded shapes (`roofline.op_cost`); an op that
+launches several kernels (a split-K GEMM and its reduction) shares its cost among them by duration.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pandas as pd
+
+from fusionscope import roofline
+from fusionscope.trace import Timeline
+
+HOST_BOUND_BELOW = 0.5  # GPU busy under half of a step's wall time: the host, not the GPU, sets the pace
+TOP_KERNELS = 15
+CLASSES = ("compute", "memory", "latency", "unmodeled")
+
+
+def kernel_table(timeline: Timeline) -> pd.DataFrame:
+    """One row per GPU kernel (CPU runs: per aten op, timed by its self time) with flops, bytes, dtype, category."""
+    ops = timeline.ops
+    costs = _op_costs(ops)
+    if timeline.device_kind == "cpu":
+        table = ops[["rank", "op_id", "name", "step", "phase", "module", "ts_us"]].assign(
+            op=ops["name"], stream=-1, dur_us=ops["self_us"])
+        table = table.join(costs, on="op_id")
+        return table.drop(columns=["op_id"]).reset_index(drop=True)
+    kernels = timeline.kernels.join(costs, on="op_id")
+    share = kernels["dur_us"] / kernels.groupby("op_id")["dur_us"].transform("sum").replace(0, np.nan)
+    share = share.where(kernels["op_id"] >= 0)
+    kernels["flops"] = kernels["flops"] * share
+    kernels["bytes"] = kernels["bytes"] * share
+    # Runtime copies and memsets outside any modeled op carry their byte count in the trace.
+    is_copy = kernels["name"].str.startswith(("Memcpy", "Memset"))
+    from_arg = is_copy & kernels["bytes"].isna() & (kernels["bytes_arg"].fillna(-1) >= 0)
+    kernels.loc[from_arg, "bytes"] = kernels.loc[from_arg, "bytes_arg"].astype(float)
+    kernels.loc[from_arg, "flops"] = 0.0
+    kernels.loc[is_copy & kernels["category"].isna(), "category"] = "copy"
+    kernels["category"] = kernels["category"].fillna("other")
+    return kernels.drop(columns=["bytes_arg"]).reset_index(drop=True)
+
+
+def _op_costs(ops: pd.DataFrame) -> pd.DataFrame:
+    """flops, bytes, category and dtype per op_id, cached per distinct (name, shapes, types, scalars)."""
+    cache: dict[tuple, tuple] = {}
+    rows = []
+    for name, dims, types, concrete in zip(ops["name"], ops["input_dims"], ops["input_type"],
+                                           ops["concrete_inputs"]):
+        key = (name, repr(dims), repr(types), repr(concrete))
+        if key not in cache:
+            cost = roofline.op_cost(name, _as_list(dims), _as_list(types), _as_list(concrete))
+            dtype = roofline.op_dtype(_as_list(types))
+            cache[key] = (np.nan, np.nan, None, dtype) if cost is None else (cost.flops, cost.bytes, cost.category,
+                                                                              dtype)
+        rows.append(cache[key])
+    return pd.DataFrame(rows, columns=["flops", "bytes", "category", "dtype"], index=ops["op_id"].to_numpy())
+
+
+def _as_list(value: object) -> list:
+    return value if isinstance(value, list) else []
+
+
+def classify(kernels: pd.DataFrame, bandwidth_gbps: float, peak_tflops: dict[str, float]) -> pd.DataFrame:
+    return roofline.classify_kernels(kernels, bandwidth_gbps, peak_tflops)
+
+
+def cost_coverage(kernels: pd.DataFrame) -> float | None:
+    """Share of kernel time whose kernel has a bytes/FLOPs model."""
+    total = kernels["dur_us"].sum()
+    if not total:
+        return None
+    return float(kernels.loc[kernels["bytes"].notna(), "dur_us"].sum() / total)
+
+
+def busy_us(starts: np.ndarray, ends: np.ndarray) -> float:
+    """Length of the union of [start, end) intervals: GPU busy time with overlapping streams counted once."""
+    if len(starts) == 0:
+        return 0.0
+    order = np.argsort(starts)
+    s, e = starts[order], ends[order]
+    running_end = np.maximum.accumulate(e)
+    new_block = np.r_[True, s[1:] > running_end[:-1]]
+    block_ids = np.cumsum(new_block) - 1
+    block_start = s[new_block]
+    block_end = pd.Series(running_end).groupby(block_ids).max().to_numpy()
+    return float((block_end - block_start).sum())
+
+
+def module_pattern(path: str) -> str:
+    """`model.layers.3.mlp.down_proj` → `model.layers.*.mlp.down_proj`: one row for the same module in every layer."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", path) if isinstance(path, str) else ""
+
+
+def summarize_phases(kernels: pd.DataFrame, steps: pd.DataFrame, unprofiled_ms: dict[str, list[float]],
+                     device_kind: str, ops_per_step: dict[str, float] | None = None) -> dict[str, dict]:
+    """Per phase: wall and GPU-busy time per step, kernels per step, host µs per kernel, regime, time by class and
+    category, and the top kernels. Figures per step are medians over the phase's profiled steps."""
+    phases: dict[str, dict] = {}
+    gpu = device_kind == "cuda"
+    for phase in dict.fromkeys(steps["phase"]):
+        if not phase:
+            continue
+        ph_steps = steps[steps["phase"] == phase]
+        n_steps = len(ph_steps)
+        ks = kernels[kernels["phase"] == phase]
+        per_step = ks.groupby("step")
+        wall_us = ph_steps.set_index("step")["dur_us"]
+        summary: dict = {
+            "steps": n_steps,
+            "wall_ms_per_step": float(wall_us.median() / 1e3),
+            "wall_ms_per_step_unprofiled": _median(unprofiled_ms.get(phase, [])),
+            "gpu_busy_ms_per_step": None, "gpu_busy_frac": None, "kernels_per_step": None,
+            "ops_per_step": (ops_per_step or {}).get(phase), "host_us_per_kernel": None, "regime": None,
+        }
+        if gpu:
+            busy = pd.Series({s: busy_us(g["ts_us"].to_numpy(), (g["ts_us"] + g["dur_us"]).to_numpy())
+                              for s, g in per_step}, dtype=float).reindex(wall_us.index, fill_value=0.0)
+            count = per_step.size().reindex(wall_us.index, fill_value=0)
+            frac = float((busy / wall_us).median())
+            summary.update(
+                gpu_busy_ms_per_step=float(busy.median() / 1e3), gpu_busy_frac=frac,
+                kernels_per_step=float(count.median()),
+                host_us_per_kernel=float((wall_us / count.replace(0, np.nan)).median()),
+                regime="host-bound" if frac < HOST_BOUND_BELOW else "gpu-bound",
+            )
+        by_class = ks.groupby("bound")["dur_us"].sum() / max(n_steps, 1)
+        summary["time_by_class_us"] = {c: float(by_class.get(c, 0.0)) for c in CLASSES}
+        by_cat = ks.groupby("category")["dur_us"].sum().sort_values(ascending=False) / max(n_steps, 1)
+        summary["time_by_category_us"] = {str(k): float(v) for k, v in by_cat.items()}
+        summary["top_kernels"] = _top_kernels(ks, n_steps)
+        phases[phase] = summary
+    return phases
+
+
+def _top_kernels(ks: pd.DataFrame, n_steps: int) -> list[dict]:
+    if ks.empty:
+        return []
+    total = ks["dur_us"].sum() or 1.0
+    ks = ks.assign(module_pattern=ks["module"].map(module_pattern))
+    grouped = ks.groupby(["name", "op", "category", "bound"], dropna=False)
+    top = grouped["dur_us"].sum().sort_values(ascending=False).head(TOP_KERNELS)
+    rows = []
+    for (name, op, category, bound), dur in top.items():
+        g = grouped.get_group((name, op, category, bound))
+        rows.append({
+            "name": name, "op": op, "category": category, "bound": bound,
+            "calls_per_step": len(g) / max(n_steps, 1), "us_per_step": float(dur / max(n_steps, 1)),
+            "share": float(dur / total), "module": g["module_pattern"].mode().iat[0] if len(g) else "",
+            "intensity": _ratio(g["flops"].sum(min_count=1), g["bytes"].sum(min_count=1)),
+            "achieved_frac": _finite(g["achieved_frac"].dropna().median()) if g["achieved_frac"].notna().any() else None,
+        })
+    return rows
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return _finite(num / den) if den and np.isfinite(den) else None
+
+
+def _finite(value: float) -> float | None:
+    return float(value) if value is not None and np.isfinite(value) else None
+
+
+def _median(values: list[float]) -> float | None:
+    return float(np.median(values)) if values else None

@@ -1,0 +1,180 @@
+"""Run a Workload under torch.profiler and write `trace.json.gz`, the one file every later stage reads.
+
+The sequence is the same three times: warm-up (not recorded: attention backends build a plan per new sequence length,
+~30 ms extra per decode step on first sight on the H200), one timed pass without the profiler (its overhead, reported
+beside the profiled figures), and the profiled pass. Each step is bracketed by a `ProfilerStep#N` range (HTA's step
+marker) and a `fusionscope.phase:<name>` range, and ends with a device sync so a step's wall time includes its GPU work.
+Modules are attributed by qualified name through forward hooks that open `record_function` ranges named
+`nn.Module: <path>` — `with_modules=True` records nothing in eager mode.
+"""
+
+from __future__ import annotations
+
+import gzip
+import inspect
+import shutil
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from fusionscope.models import Workload
+
+STEP_PREFIX = "ProfilerStep#"
+PHASE_PREFIX = "fusionscope.phase:"
+MODULE_PREFIX = "nn.Module: "
+PREFILL_REPEATS = 3  # prefill is one forward; repeat it so its per-step figure is a median, not one sample
+
+
+@dataclass
+class Capture:
+    """What `capture` leaves behind: the trace file and the unprofiled per-step wall times (ms) per phase."""
+
+    trace_path: Path
+    phases: tuple[str, ...]
+    unprofiled_ms: dict[str, list[float]] = field(default_factory=dict)
+    profiled_steps: int = 0
+
+
+StepRunner = Callable[[str, Callable[[], Any]], Any]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _forward_kwargs(module: torch.nn.Module) -> dict[str, str]:
+    """transformers 5.24 renamed `past_key_values=` to `cache=`; 5.17 may know only the old name."""
+    params = inspect.signature(module.forward).parameters
+    return {"cache": "cache" if "cache" in params else "past_key_values",
+            "logits_to_keep": "logits_to_keep" if "logits_to_keep" in params else ""}
+
+
+def run_sequence(workload: Workload, run_step: StepRunner) -> None:
+    """One pass over the workload's phases, each step executed through `run_step(phase, fn)`."""
+    model = workload.module
+    with torch.inference_mode():
+        if workload.phases == ("forward",):
+            inputs = workload.inputs
+            call = (lambda: model(**inputs)) if isinstance(inputs, dict) else (lambda: model(*inputs))
+            for _ in range(PREFILL_REPEATS):
+                run_step("forward", call)
+            return
+        names = _forward_kwargs(model)
+        (ids,) = workload.inputs
+        extra = {names["logits_to_keep"]: 1} if names["logits_to_keep"] else {}
+
+        def prefill() -> tuple[Any, torch.Tensor]:
+            out = model(ids, use_cache=True, **extra)
+            return out, out.logits[:, -1:].argmax(-1)
+
+        for _ in range(PREFILL_REPEATS):
+            out, token = run_step("prefill", prefill)
+        cache = getattr(out, "cache", None) or out.past_key_values
+        for _ in range(workload.decode_steps):
+
+            def decode(token: torch.Tensor = token) -> tuple[Any, torch.Tensor]:
+                step_out = model(token, use_cache=True, **{names["cache"]: cache})
+                return step_out, step_out.logits[:, -1:].argmax(-1)
+
+            _, token = run_step("decode", decode)
+
+
+@contextmanager
+def module_ranges(root: torch.nn.Module) -> Iterator[None]:
+    """Open a `record_function("nn.Module: <qualified name>")` range around every submodule's forward."""
+    stack: list[Any] = []
+    handles = []
+    root_name = type(root).__name__
+    for name, mod in root.named_modules():
+        label = MODULE_PREFIX + (name or root_name)
+
+        def pre(_m: torch.nn.Module, _args: Any, label: str = label) -> None:
+            rf = record_function(label)
+            rf.__enter__()
+            stack.append(rf)
+
+        def post(_m: torch.nn.Module, _args: Any, _out: Any) -> None:
+            if stack:
+                stack.pop().__exit__(None, None, None)
+
+        handles.append(mod.register_forward_pre_hook(pre))
+        handles.append(mod.register_forward_hook(post, always_call=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def capture(workload: Workload, out_dir: Path, warmup: int = 1, on_stage: Callable[[str], None] | None = None) -> Capture:
+    """Warm up, time one unprofiled pass, profile one pass; write `out_dir/trace.json.gz`."""
+    device = workload.device
+    note = on_stage or (lambda _msg: None)
+
+    def plain(_phase: str, fn: Callable[[], Any]) -> Any:
+        return fn()
+
+    note("warm-up")
+    for _ in range(warmup):
+        run_sequence(workload, plain)
+        _sync(device)
+
+    unprofiled: dict[str, list[float]] = {}
+
+    def timed(phase: str, fn: Callable[[], Any]) -> Any:
+        _sync(device)
+        t0 = time.perf_counter()
+        result = fn()
+        _sync(device)
+        unprofiled.setdefault(phase, []).append((time.perf_counter() - t0) * 1e3)
+        return result
+
+    note("timing without the profiler")
+    run_sequence(workload, timed)
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    steps = 0
+
+    def profiled(phase: str, fn: Callable[[], Any]) -> Any:
+        nonlocal steps
+        with record_function(f"{STEP_PREFIX}{steps}"), record_function(PHASE_PREFIX + phase):
+            result = fn()
+            _sync(device)
+        steps += 1
+        return result
+
+    note("profiling")
+    with profile(activities=activities, record_shapes=True) as prof, module_ranges(workload.module):
+        run_sequence(workload, profiled)
+    note("exporting the trace")
+    raw = out_dir / "trace.json"
+    prof.export_chrome_trace(str(raw))
+    trace_path = out_dir / "trace.json.gz"
+    write_rank_trace(raw, trace_path, rank=0)
+    raw.unlink()
+    return Capture(trace_path=trace_path, phases=workload.phases, unprofiled_ms=unprofiled, profiled_steps=steps)
+
+
+def write_rank_trace(src: Path, dst: Path, rank: int) -> None:
+    """Gzip a Chrome trace, adding `"distributedInfo": {"rank": N}` so HTA and Perfetto both open it.
+
+    HTA finds the rank with a regex on that exact text (space after the colon); without it every file is rank 0. The
+    key is spliced in as text after the opening brace: re-serialising a 100 MB trace through json costs seconds.
+    """
+    with open(src, "rb") as f_in, gzip.open(dst, "wb", compresslevel=3) as f_out:
+        head = f_in.read(1 << 16)
+        brace = head.index(b"{")
+        f_out.write(head[: brace + 1] + b'\n  "distributedInfo": {"rank": %d},' % rank + head[brace + 1 :])
+        shutil.copyfileobj(f_in, f_out, 1 << 20)
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None

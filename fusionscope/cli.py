@@ -1,0 +1,124 @@
+"""The `fusionscope` command: thin typer commands over the Python API in `fusionscope.run`.
+
+Expected mistakes (`UsageError`) end as one line on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.status import Status
+from rich.table import Table
+
+from fusionscope.errors import UsageError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Find what to fuse in a PyTorch model, estimate what it is worth, and prove it on the GPU.")
+console = Console(stderr=True)
+out = Console()
+
+
+@contextmanager
+def usage_errors() -> Iterator[None]:
+    """An expected mistake becomes one line on stderr and exit status 2 (also under typer's CliRunner)."""
+    try:
+        yield
+    except UsageError as exc:
+        typer.echo(f"fusionscope: error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+class StageLog:
+    """Shows the running stage in the spinner and logs each finished stage with its duration.
+
+    A stage is logged only once it has finished, so a run that fails on bad input prints its one error line alone.
+    """
+
+    def __init__(self, status: Status) -> None:
+        self.status = status
+        self.current: str | None = None
+        self.since = time.perf_counter()
+
+    def start(self, message: str | None) -> None:
+        now = time.perf_counter()
+        if self.current is not None:
+            console.log(f"{self.current}  [dim]{now - self.since:.1f} s[/dim]")
+        self.current, self.since = message, now
+        if message is not None:
+            self.status.update(f"{message}…")
+
+
+@app.command()
+def profile(
+    model: Annotated[str, typer.Argument(help="preset name, Hugging Face folder, or path/to/file.py:factory")] =
+    "tiny-llama",
+    out_dir: Annotated[Path | None, typer.Option("--out", help="run folder to create (must not exist)")] = None,
+    batch: Annotated[int, typer.Option(help="sequences per step")] = 1,
+    prompt_len: Annotated[int, typer.Option(help="prompt tokens (prefill length)")] = 128,
+    decode_steps: Annotated[int, typer.Option(help="decode steps profiled (one new token each)")] = 16,
+    dtype: Annotated[str, typer.Option(help="auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32")] = "auto",
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda")] = "auto",
+    warmup: Annotated[int, typer.Option(help="unrecorded passes over the exact timed lengths")] = 1,
+    remeasure: Annotated[bool, typer.Option(help="measure the device's roofs again instead of using the cache")] =
+    False,
+) -> None:
+    """Capture MODEL under torch.profiler, classify every kernel against the measured roofs, write a run folder."""
+    from fusionscope.run import profile as run_profile
+
+    t0 = time.perf_counter()
+    with usage_errors(), console.status("profiling…") as status:
+        progress = StageLog(status)
+        run = run_profile(model, out=out_dir, batch=batch, prompt_len=prompt_len, decode_steps=decode_steps,
+                          dtype=dtype, device=device, warmup=warmup, remeasure=remeasure, on_stage=progress.start)
+        progress.start(None)
+    print_summary(run.summary)
+    out.print(f"report: {run.report_path}   ({time.perf_counter() - t0:.1f} s in all)")
+
+
+@app.command()
+def report(run_dir: Annotated[Path, typer.Argument(help="a run folder written by `fusionscope profile`")]) -> None:
+    """Re-render RUN_DIR/report.html from the run's saved data (summary.json, kernels.csv)."""
+    from fusionscope.run import load_run, rerender
+
+    with usage_errors():
+        path = rerender(run_dir)
+        print_summary(load_run(run_dir).summary)
+    out.print(f"report: {path}")
+
+
+def print_summary(summary: dict) -> None:
+    """The per-phase table printed at the end of a run."""
+    model, device = summary.get("model", {}), summary.get("device", {})
+    table = Table(title=f"{model.get('name')} on {device.get('name')} ({model.get('dtype')})")
+    for col in ("phase", "wall ms/step", "unprofiled ms", "GPU busy ms", "kernels/step", "host µs/kernel", "regime",
+                "top kernel"):
+        table.add_column(col, justify="left" if col in ("phase", "regime", "top kernel") else "right")
+
+    def fmt(value: float | None, spec: str = ".2f") -> str:
+        return "—" if value is None else format(value, spec)
+
+    for name, ph in summary.get("phases", {}).items():
+        top = ph.get("top_kernels") or [{}]
+        busy = ph.get("gpu_busy_ms_per_step")
+        frac = ph.get("gpu_busy_frac")
+        table.add_row(
+            name, fmt(ph.get("wall_ms_per_step")), fmt(ph.get("wall_ms_per_step_unprofiled")),
+            "—" if busy is None else f"{busy:.2f} ({frac:.0%})", fmt(ph.get("kernels_per_step"), ".0f"),
+            fmt(ph.get("host_us_per_kernel"), ".1f"), ph.get("regime") or "cpu run",
+            f"{str(top[0].get('name', ''))[:40]} {top[0].get('share', 0):.0%}" if top[0] else "",
+        )
+    out.print(table)
+    coverage = summary.get("cost_coverage")
+    if coverage is not None:
+        out.print(f"cost coverage: {coverage:.1%} of kernel time has a bytes/FLOPs model")
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()

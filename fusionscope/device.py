@@ -1,0 +1,231 @@
+"""The device's ceilings, measured on the spot and cached per device and software versions.
+
+Datasheet peaks are not what a kernel can reach: on the H200 a device-to-device copy reaches 4250–4273 GB/s of the
+4.8 TB/s on the sheet, a bf16 8192³ matmul 700–716 of ~989 TFLOP/s. Classifying kernels against the sheet would call
+every good kernel slow, so fusionscope measures: copy bandwidth (read + write), a read-heavy stream (2 reads : 1
+write), GEMM throughput per dtype, the host cost of an empty kernel launch and of a one-kernel aten op. The sheet's
+figures are kept beside the measured ones for the report. CPU runs measure the CPU's own roofs the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+# Vendor datasheet peaks (dense), for display beside the measured roofs. Keys are torch.cuda.get_device_name() values.
+DATASHEETS: dict[str, dict] = {
+    "NVIDIA H200": {"gbps": 4800.0, "tflops": {"bfloat16": 989.0, "float16": 989.0, "tf32": 494.0, "float32": 67.0}},
+    "NVIDIA H100 80GB HBM3": {"gbps": 3350.0,
+                              "tflops": {"bfloat16": 989.0, "float16": 989.0, "tf32": 494.0, "float32": 67.0}},
+    "NVIDIA A100-SXM4-80GB": {"gbps": 2039.0,
+                              "tflops": {"bfloat16": 312.0, "float16": 312.0, "tf32": 156.0, "float32": 19.5}},
+}
+ROOFS_VERSION = 1  # bump when the measurement method changes, so old cache entries are not reused
+
+
+@dataclass(frozen=True)
+class DeviceCeilings:
+    """Measured roofs of one device. Bandwidths in GB/s (1e9 B/s), throughput in TFLOP/s, host costs in µs."""
+
+    kind: str  # "cuda" | "cpu"
+    name: str
+    copy_gbps: float
+    read_heavy_gbps: float
+    tflops: dict[str, float | None]  # "bfloat16", "float16", "float32", "tf32" (CUDA only)
+    launch_us: float | None  # host cost of one empty Triton kernel launch (CUDA only)
+    aten_op_host_us: float  # host cost of a one-kernel aten op (torch.add on 1 element)
+    datasheet: dict | None = None
+    measured_at: str = ""
+    versions: dict[str, str] = field(default_factory=dict)
+    source: str = "measured"  # "measured" | "cache"
+
+    def peak_tflops(self) -> dict[str, float]:
+        """Peaks by dtype for classification; fp32 kernels use true fp32 unless TF32 matmuls were enabled."""
+        peaks = {k: v for k, v in self.tflops.items() if v}
+        if torch.backends.cuda.matmul.allow_tf32 and self.tflops.get("tf32"):
+            peaks["float32"] = self.tflops["tf32"]
+        return peaks
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine()
+    return f"{cpu} ({os.cpu_count()} cores)"
+
+
+def software_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for mod in ("triton", "transformers", "pandas", "hta"):
+        try:
+            from importlib.metadata import version
+
+            dist = {"hta": "HolisticTraceAnalysis"}.get(mod, mod)
+            versions[mod] = version(dist)
+        except Exception:
+            versions[mod] = "absent"
+    if torch.version.cuda:
+        versions["cuda"] = torch.version.cuda
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        versions["fusionscope"] = version("fusionscope")
+    except PackageNotFoundError:
+        versions["fusionscope"] = "source"
+    return versions
+
+
+def cache_dir() -> Path:
+    """`$FUSIONSCOPE_CACHE_DIR`, else `$XDG_CACHE_HOME/fusionscope`, else `~/.cache/fusionscope`."""
+    if os.environ.get("FUSIONSCOPE_CACHE_DIR"):
+        return Path(os.environ["FUSIONSCOPE_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fusionscope"
+
+
+def _cache_file(device: torch.device, versions: dict[str, str]) -> Path:
+    key = "-".join([device_name(device), versions["torch"], versions.get("triton", ""), versions.get("cuda", "cpu"),
+                    f"v{ROOFS_VERSION}"])
+    return cache_dir() / "roofs" / (re.sub(r"[^A-Za-z0-9.]+", "_", key) + ".json")
+
+
+def get_ceilings(device: torch.device, remeasure: bool = False) -> DeviceCeilings:
+    """Cached ceilings for this device and software, measured (and cached) when absent or when `remeasure`."""
+    versions = software_versions()
+    path = _cache_file(device, versions)
+    if path.is_file() and not remeasure:
+        try:
+            data = json.loads(path.read_text())
+            data["source"] = "cache"
+            return DeviceCeilings(**data)
+        except (json.JSONDecodeError, TypeError):
+            pass  # a damaged or older cache entry is measured again
+    ceilings = measure_ceilings(device, versions)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(ceilings.to_json(), indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass  # an unwritable cache only costs a re-measurement next time
+    return ceilings
+
+
+def measure_ceilings(device: torch.device, versions: dict[str, str] | None = None) -> DeviceCeilings:
+    versions = versions or software_versions()
+    name = device_name(device)
+    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    if device.type == "cuda":
+        return DeviceCeilings(
+            kind="cuda", name=name, copy_gbps=_copy_gbps(device, 1 << 30), read_heavy_gbps=_read_heavy_gbps(device,
+            1 << 29), tflops=_gemm_tflops(device, 8192), launch_us=_triton_launch_us(), aten_op_host_us=_aten_op_us(
+            device), datasheet=DATASHEETS.get(name), measured_at=now, versions=versions)
+    # CPU: sizes keep the whole measurement around a second on a 2-core machine.
+    return DeviceCeilings(
+        kind="cpu", name=name, copy_gbps=_copy_gbps(device, 1 << 27), read_heavy_gbps=_read_heavy_gbps(device, 1 << 26),
+        tflops=_gemm_tflops(device, 512), launch_us=None, aten_op_host_us=_aten_op_us(device), datasheet=None,
+        measured_at=now, versions=versions)
+
+
+def _time_ms(device: torch.device, fn: Callable[[], object], reps: int) -> float:
+    """Median milliseconds of `fn` after a warm-up call: CUDA events on the GPU, perf_counter on the CPU."""
+    fn()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _copy_gbps(device: torch.device, nbytes: int) -> float:
+    src = torch.rand(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    ms = _time_ms(device, lambda: dst.copy_(src), reps=20)
+    return 2 * nbytes / ms / 1e6
+
+
+def _read_heavy_gbps(device: torch.device, nbytes: int) -> float:
+    a, b = torch.rand(nbytes // 4, device=device), torch.rand(nbytes // 4, device=device)
+    c = torch.empty_like(a)
+    ms = _time_ms(device, lambda: torch.add(a, b, out=c), reps=20)
+    return 3 * nbytes / ms / 1e6
+
+
+def _gemm_tflops(device: torch.device, n: int) -> dict[str, float | None]:
+    result: dict[str, float | None] = {}
+    dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    for label, dtype in dtypes.items():
+        size = n if device.type == "cuda" or dtype == torch.float32 else n // 2  # CPU half matmuls are slow
+        a = torch.randn(size, size, device=device, dtype=dtype)
+        b = torch.randn(size, size, device=device, dtype=dtype)
+        ms = _time_ms(device, lambda a=a, b=b: a @ b, reps=10 if device.type == "cuda" else 3)
+        result[label] = 2 * size**3 / ms / 1e9
+    result["tf32"] = None
+    if device.type == "cuda":
+        old = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True
+        try:
+            a = torch.randn(n, n, device=device)
+            ms = _time_ms(device, lambda: a @ a, reps=10)
+            result["tf32"] = 2 * n**3 / ms / 1e9
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = old
+    return result
+
+
+def _host_us(fn: Callable[[], object], calls: int, sync: Callable[[], object]) -> float:
+    """Host microseconds per call over a back-to-back loop (the queue absorbs the GPU work), median of 5 loops."""
+    fn()
+    sync()
+    loops = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        loops.append((time.perf_counter() - t0) * 1e6 / calls)
+        sync()
+    return statistics.median(loops)
+
+
+def _aten_op_us(device: torch.device) -> float:
+    x = torch.ones(1, device=device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    return _host_us(lambda: torch.add(x, x), 2000, sync)
+
+
+def _triton_launch_us() -> float | None:
+    """Host cost of launching an empty Triton kernel the usual way (`kernel[grid](...)`)."""
+    try:
+        import triton
+    except ImportError:
+        return None
+
+    @triton.jit
+    def _empty(x_ptr):
+        pass
+
+    x = torch.empty(1, device="cuda")
+    return _host_us(lambda: _empty[(1,)](x), 2000, torch.cuda.synchronize)

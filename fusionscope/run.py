@@ -1,0 +1,189 @@
+"""The Python API the CLI stands on: `profile()` runs capture → analysis → report and returns a `Run`.
+
+A run folder is written to a temporary sibling and renamed into place at the end, so a failed run leaves nothing
+behind and an earlier run is never overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pandas as pd
+
+from fusionscope.errors import UsageError
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class Run:
+    """A finished run folder and what it holds."""
+
+    out_dir: Path
+    summary: dict
+    kernels: pd.DataFrame
+
+    @property
+    def report_path(self) -> Path:
+        return self.out_dir / "report.html"
+
+
+def default_out_dir(model_name: str) -> Path:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = Path("reports") / f"{model_name}-{stamp}"
+    out, n = base, 2
+    while out.exists():
+        out, n = base.with_name(f"{base.name}-{n}"), n + 1
+    return out
+
+
+def check_out_dir(out: Path) -> None:
+    """Refuse an existing folder and an unwritable parent before any work is done."""
+    if out.exists():
+        raise UsageError(f"--out {out} already exists; choose a new folder (runs are never overwritten)")
+    parent = out.parent if str(out.parent) else Path(".")
+    probe = parent
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK):
+        raise UsageError(f"cannot write to {parent}: choose an --out in a writable folder")
+
+
+@contextmanager
+def staged_dir(out: Path) -> Iterator[Path]:
+    """Yield a temporary folder beside `out`; rename it to `out` on success, remove it on any failure."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            raise UsageError(f"{out} appeared while this run was working; its results were not written")
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def profile(
+    model: str = "tiny-llama", *, out: str | Path | None = None, batch: int = 1, prompt_len: int = 128,
+    decode_steps: int = 16, dtype: str = "auto", device: str = "auto", warmup: int = 1, remeasure: bool = False,
+    on_stage: Callable[[str], None] | None = None,
+) -> Run:
+    """Profile MODEL and write its run folder (trace, tables, summary.json, report.html); return the Run."""
+
+    from fusionscope import analysis, capture, models, trace
+    from fusionscope.device import get_ceilings
+
+    t_start = time.perf_counter()
+    note = on_stage or (lambda _msg: None)
+    spec = models.resolve_model(model)
+    dev = models.pick_device(device)
+    torch_dtype = models.pick_dtype(dtype, dev)
+    out_dir = Path(out) if out is not None else default_out_dir(spec.name)
+    check_out_dir(out_dir)
+    if warmup < 0:
+        raise UsageError("--warmup must be ≥ 0")
+    with staged_dir(out_dir) as tmp:
+        note(f"building {spec.name} on {dev.type} in {str(torch_dtype).removeprefix('torch.')}")
+        workload = models.build_workload(spec, dev, torch_dtype, batch=batch, prompt_len=prompt_len,
+                                         decode_steps=decode_steps)
+        note("measuring the device's roofs")
+        ceilings = get_ceilings(dev, remeasure=remeasure)
+        cap = capture.capture(workload, tmp, warmup=warmup, on_stage=note)
+        model_info = {"name": spec.name, "source": spec.source, "family": workload.family, "params": workload.params,
+                      "dtype": str(torch_dtype).removeprefix("torch."), "batch": batch,
+                      "prompt_len": prompt_len if workload.phases != ("forward",) else None,
+                      "decode_steps": decode_steps if workload.phases != ("forward",) else None}
+        del workload
+        note("loading the trace (HTA) and joining kernels to ops and modules")
+        timeline = trace.load_timeline(cap.trace_path)
+        note("costing and classifying kernels")
+        kernels = analysis.kernel_table(timeline)
+        kernels = analysis.classify(kernels, ceilings.copy_gbps, ceilings.peak_tflops())
+        ops_per_step = timeline.ops.groupby("phase").size() / timeline.steps.groupby("phase").size()
+        summary = {
+            "schema": SCHEMA_VERSION,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "command": command_line(),
+            "model": model_info,
+            "device": {"kind": dev.type, "name": ceilings.name},
+            "versions": ceilings.versions,
+            "roofs": ceilings.to_json(),
+            "cost_coverage": analysis.cost_coverage(kernels),
+            "phases": analysis.summarize_phases(kernels, timeline.steps, cap.unprofiled_ms, timeline.device_kind,
+                                                {str(k): float(v) for k, v in ops_per_step.dropna().items()}),
+        }
+        note("writing the run folder")
+        write_tables(tmp, kernels, timeline.ops)
+        summary["wall_s"] = round(time.perf_counter() - t_start, 2)
+        write_json(tmp / "summary.json", summary)
+        (tmp / "report.html").write_text(render_report(summary, kernels), encoding="utf-8")
+    return Run(out_dir=out_dir, summary=summary, kernels=kernels)
+
+
+def command_line() -> str:
+    """The command as typed, when running from the CLI (empty from the Python API)."""
+    argv0 = Path(sys.argv[0]).name if sys.argv else ""
+    return " ".join(["fusionscope", *sys.argv[1:]]) if argv0 in ("fusionscope", "__main__.py") else ""
+
+
+def write_tables(folder: Path, kernels: pd.DataFrame, ops: pd.DataFrame) -> None:
+    kernels.to_csv(folder / "kernels.csv", index=False, float_format="%.6g")
+    ops.to_csv(folder / "ops.csv", index=False, float_format="%.6g")
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=1, allow_nan=False, default=_json_default) + "\n")
+
+
+def _json_default(value: object) -> object:
+    if hasattr(value, "item"):  # numpy scalars
+        return value.item()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def render_report(summary: dict, kernels: pd.DataFrame) -> str:
+    from fusionscope.report import render_report as render
+
+    return render(summary, kernels)
+
+
+def load_run(run_dir: str | Path) -> Run:
+    """Read a run folder's summary.json and kernels.csv (no trace parsing: that is what makes `report` fast)."""
+    folder = Path(run_dir)
+    summary_file, kernels_file = folder / "summary.json", folder / "kernels.csv"
+    if not folder.is_dir():
+        raise UsageError(f"run folder not found: {folder}")
+    if not summary_file.is_file() or not kernels_file.is_file():
+        raise UsageError(f"{folder} is not a fusionscope run folder (needs summary.json and kernels.csv)")
+    try:
+        summary = json.loads(summary_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"malformed {summary_file}: {exc}") from None
+    kernels = pd.read_csv(kernels_file, keep_default_na=False, na_values=[""],
+                          dtype={"name": str, "op": str, "module": str, "phase": str})
+    for col in ("name", "op", "module", "phase"):
+        if col in kernels:
+            kernels[col] = kernels[col].fillna("")
+    return Run(out_dir=folder, summary=summary, kernels=kernels)
+
+
+def rerender(run_dir: str | Path) -> Path:
+    """Re-render `report.html` of a run folder from its saved data, atomically."""
+    run = load_run(run_dir)
+    html = render_report(run.summary, run.kernels)
+    target = run.report_path
+    tmp = target.with_name(f".{target.name}.partial")
+    tmp.write_text(html, encoding="utf-8")
+    tmp.replace(target)
+    return target

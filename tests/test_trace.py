@@ -1,0 +1,136 @@
+"""The kernel ↔ aten op ↔ module join on real CUDA traces from the H200 (tests/data/, recorded by
+reports/samples/gpu_profile.sh): tiny-llama (prompt 32, 4 decode steps) and llama-3.2-1b (prompt 64, 2 decode steps),
+both bf16, torch 2.11."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from fusionscope import analysis, trace
+
+DATA = Path(__file__).resolve().parent / "data"
+FIXTURES = {"tiny-llama": (DATA / "tiny-llama-cuda.trace.json.gz", 2, 4),
+            "llama-3.2-1b": (DATA / "llama-3.2-1b-cuda.trace.json.gz", 16, 2)}
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module", params=list(FIXTURES))
+def loaded(request: pytest.FixtureRequest) -> tuple[str, trace.Timeline, int, int]:
+    path, layers, decode_steps = FIXTURES[request.param]
+    return request.param, trace.load_timeline(path), layers, decode_steps
+
+
+def raw_kernel_ops(path: Path) -> dict[float, str]:
+    """Independently of HTA: kernel start → name of the cpu_op with the kernel's `External id`."""
+    with gzip.open(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    ops = {e["args"]["External id"]: e["name"] for e in events if e.get("cat") == "cpu_op"}
+    return {round(e["ts"], 3): ops.get(e["args"].get("External id"), "") for e in events if e.get("cat") == "kernel"}
+
+
+def test_steps_and_phases(loaded: tuple) -> None:
+    _name, timeline, _layers, decode_steps = loaded
+    assert timeline.device_kind == "cuda"
+    assert list(timeline.steps["phase"]) == ["prefill"] * 3 + ["decode"] * decode_steps
+    assert list(timeline.steps["step"]) == list(range(3 + decode_steps))
+    assert set(timeline.kernels["phase"]) == {"prefill", "decode"}
+
+
+def test_every_kernel_is_joined_to_the_op_with_its_external_id(loaded: tuple) -> None:
+    name, timeline, _layers, _steps = loaded
+    expected = raw_kernel_ops(FIXTURES[name][0])
+    kernels = timeline.kernels[~timeline.kernels["name"].str.startswith(("Memcpy", "Memset"))]
+    assert (kernels["op_id"] >= 0).all()
+    start0 = min(expected)  # HTA shifts timestamps to start at 0
+    offset = start0 - kernels["ts_us"].min() if len(kernels) else 0
+    got = {round(ts + offset, 3): op for ts, op in zip(kernels["ts_us"], kernels["op"])}
+    matched = [got[ts] == op for ts, op in expected.items() if ts in got]
+    assert len(matched) >= 0.99 * len(expected) and all(matched)
+
+
+def test_gemms_belong_to_their_projection_modules(loaded: tuple) -> None:
+    _name, timeline, layers, _steps = loaded
+    k = timeline.kernels
+    mm = k[(k["op"] == "aten::mm") & (k["phase"] == "decode")]
+    per_step = mm.groupby("step")["op_id"].nunique()
+    assert (per_step == layers * len(PROJECTIONS) + 1).all()  # 7 projections per layer + lm_head
+    expected = {f"model.layers.{i}.{'self_attn' if p in PROJECTIONS[:4] else 'mlp'}.{p}" for i in range(layers)
+                for p in PROJECTIONS} | {"lm_head"}
+    assert set(mm["module"]) == expected
+
+
+def test_only_the_sampling_argmax_runs_outside_the_model(loaded: tuple) -> None:
+    _name, timeline, _layers, _steps = loaded
+    outside = timeline.kernels[timeline.kernels["module"] == ""]
+    assert set(outside["op"]) <= {"aten::argmax", ""}
+
+
+def test_cost_coverage_and_classes(loaded: tuple) -> None:
+    _name, timeline, _layers, _steps = loaded
+    kernels = analysis.kernel_table(timeline)
+    assert analysis.cost_coverage(kernels) >= 0.95
+    classified = analysis.classify(kernels, 4200.0, {"bfloat16": 750.0, "float32": 50.0})
+    assert set(classified["bound"]) <= {"compute", "memory", "latency", "unmodeled"}
+    gemm = classified[(classified["op"] == "aten::mm") & (classified["phase"] == "decode")]
+    # batch-1 decode GEMMs read a whole weight matrix per token: ~1 FLOP per byte, memory side of the ridge
+    assert gemm["intensity"].between(0.5, 2.0).all()
+
+
+def test_phase_summary_on_the_h200_trace(loaded: tuple) -> None:
+    _name, timeline, _layers, decode_steps = loaded
+    kernels = analysis.classify(analysis.kernel_table(timeline), 4200.0, {"bfloat16": 750.0, "float32": 50.0})
+    phases = analysis.summarize_phases(kernels, timeline.steps, {"decode": [1.0] * decode_steps}, "cuda")
+    decode = phases["decode"]
+    assert decode["steps"] == decode_steps
+    assert 0 < decode["gpu_busy_ms_per_step"] < decode["wall_ms_per_step"]
+    assert decode["regime"] == "host-bound"  # eager HF decode at batch 1 keeps the H200 mostly idle
+    per_step = kernels[kernels["phase"] == "decode"].groupby("step").size()
+    assert decode["kernels_per_step"] == per_step.median()
+    assert decode["top_kernels"][0]["us_per_step"] >= decode["top_kernels"][-1]["us_per_step"]
+
+
+def test_busy_time_counts_overlap_once() -> None:
+    starts = np.array([0.0, 5.0, 20.0, 21.0])
+    ends = np.array([10.0, 12.0, 22.0, 30.0])
+    assert analysis.busy_us(starts, ends) == pytest.approx(12.0 + 10.0)
+    assert analysis.busy_us(np.array([]), np.array([])) == 0.0
+
+
+def test_module_pattern() -> None:
+    assert analysis.module_pattern("model.layers.12.mlp.down_proj") == "model.layers.*.mlp.down_proj"
+    assert analysis.module_pattern("lm_head") == "lm_head"
+
+
+def test_unparseable_trace_is_a_usage_error(tmp_path: Path) -> None:
+    from fusionscope.errors import UsageError
+
+    bad = tmp_path / "bad.json.gz"
+    bad.write_bytes(gzip.compress(b"{not json"))
+    with pytest.raises(UsageError):
+        trace.load_timeline(bad)
+    with pytest.raises(UsageError, match="not found"):
+        trace.load_timeline(tmp_path / "absent.json.gz")
+
+
+def test_cpu_trace_self_times_add_up(tmp_path: Path) -> None:
+    """On CPU runs the ops are the timeline: self times partition each top-level op's duration."""
+    import torch
+
+    from fusionscope import capture, models
+
+    spec = models.resolve_model(f"{Path(__file__).resolve().parents[1] / 'examples' / 'custom_factory.py'}:make_mlp")
+    cap = capture.capture(models.build_workload(spec, torch.device("cpu"), torch.float32), tmp_path)
+    timeline = trace.load_timeline(cap.trace_path)
+    ops = timeline.ops
+    assert timeline.device_kind == "cpu" and len(timeline.kernels) == 0
+    assert (ops["self_us"] >= 0).all() and (ops["self_us"] <= ops["dur_us"] + 1e-6).all()
+    assert set(ops["phase"]) == {"forward"}
+    linear = ops[ops["name"] == "aten::mm"]
+    assert set(linear["module"]) == {f"{b}.{p}" for b in (0, 1) for p in ("gate_proj", "up_proj", "down_proj")}
+    assert isinstance(ops, pd.DataFrame)
