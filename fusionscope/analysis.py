@@ -25,8 +25,10 @@ def kernel_table(timeline: Timeline) -> pd.DataFrame:
     ops = timeline.ops
     costs = _op_costs(ops)
     if timeline.device_kind == "cpu":
+        costs = _self_costs(costs, ops.set_index("op_id")["parent_op"])
         table = ops[["rank", "op_id", "name", "step", "phase", "module", "ts_us"]].assign(
-            op=ops["name"], stream=-1, dur_us=ops["self_us"])
+            op=ops["name"], stream=-1, dur_us=ops["self_us"]
+        )
         table = table.join(costs, on="op_id")
         return table.drop(columns=["op_id"]).reset_index(drop=True)
     kernels = timeline.kernels.join(costs, on="op_id")
@@ -44,18 +46,43 @@ def kernel_table(timeline: Timeline) -> pd.DataFrame:
     return kernels.drop(columns=["bytes_arg"]).reset_index(drop=True)
 
 
+def _self_costs(costs: pd.DataFrame, parent: pd.Series, max_depth: int = 32) -> pd.DataFrame:
+    """On CPU timelines an op that hands work to child ops (`_to_copy` → `copy_`, `embedding` → `index_select`,
+    `mean` → `sum`) would be charged twice; keep for each op its own cost less that of its nearest costed
+    descendants, as self time is its duration less its children's."""
+    moves = (costs["bytes"] > 0) | (costs["flops"] > 0)
+    costed = set(costs.index[moves])
+    ancestor = parent.reindex(costs.index).fillna(-1).astype(np.int64)
+    for _ in range(max_depth):  # climb until the ancestor is costed or the root is reached
+        climb = (ancestor >= 0) & ~ancestor.isin(costed)
+        if not climb.any():
+            break
+        ancestor[climb] = ancestor[climb].map(parent).fillna(-1).astype(np.int64)
+    charged = costs[moves & (ancestor >= 0)].groupby(ancestor[moves & (ancestor >= 0)])[["flops", "bytes"]].sum()
+    adjusted = costs.copy()
+    for col in ("flops", "bytes"):
+        less = charged[col].reindex(costs.index).fillna(0.0)
+        adjusted[col] = (costs[col] - less).clip(lower=0.0).where(costs[col].notna())
+    return adjusted
+
+
 def _op_costs(ops: pd.DataFrame) -> pd.DataFrame:
-    """flops, bytes, category and dtype per op_id, cached per distinct (name, shapes, types, scalars)."""
+    """flops, bytes, category and dtype per op_id, cached per distinct (name, shapes, types, scalars).
+
+    TensorList arguments (`cat`, `stack`) carry no dtype in the trace; they take the trace's dominant float dtype.
+    """
+    dtypes = pd.Series([roofline.op_dtype(_as_list(t)) for t in ops["input_type"].head(5000)]).dropna()
+    default = dtypes.mode().iat[0] if len(dtypes) else "float32"
     cache: dict[tuple, tuple] = {}
     rows = []
-    for name, dims, types, concrete in zip(ops["name"], ops["input_dims"], ops["input_type"],
-                                           ops["concrete_inputs"]):
+    for name, dims, types, concrete in zip(ops["name"], ops["input_dims"], ops["input_type"], ops["concrete_inputs"]):
         key = (name, repr(dims), repr(types), repr(concrete))
         if key not in cache:
-            cost = roofline.op_cost(name, _as_list(dims), _as_list(types), _as_list(concrete))
+            cost = roofline.op_cost(name, _as_list(dims), _as_list(types), _as_list(concrete), default_dtype=default)
             dtype = roofline.op_dtype(_as_list(types))
-            cache[key] = (np.nan, np.nan, None, dtype) if cost is None else (cost.flops, cost.bytes, cost.category,
-                                                                              dtype)
+            cache[key] = (
+                (np.nan, np.nan, None, dtype) if cost is None else (cost.flops, cost.bytes, cost.category, dtype)
+            )
         rows.append(cache[key])
     return pd.DataFrame(rows, columns=["flops", "bytes", "category", "dtype"], index=ops["op_id"].to_numpy())
 
@@ -95,8 +122,13 @@ def module_pattern(path: str) -> str:
     return re.sub(r"\.\d+(?=\.|$)", ".*", path) if isinstance(path, str) else ""
 
 
-def summarize_phases(kernels: pd.DataFrame, steps: pd.DataFrame, unprofiled_ms: dict[str, list[float]],
-                     device_kind: str, ops_per_step: dict[str, float] | None = None) -> dict[str, dict]:
+def summarize_phases(
+    kernels: pd.DataFrame,
+    steps: pd.DataFrame,
+    unprofiled_ms: dict[str, list[float]],
+    device_kind: str,
+    ops_per_step: dict[str, float] | None = None,
+) -> dict[str, dict]:
     """Per phase: wall and GPU-busy time per step, kernels per step, host µs per kernel, regime, time by class and
     category, and the top kernels. Figures per step are medians over the phase's profiled steps."""
     phases: dict[str, dict] = {}
@@ -113,16 +145,23 @@ def summarize_phases(kernels: pd.DataFrame, steps: pd.DataFrame, unprofiled_ms: 
             "steps": n_steps,
             "wall_ms_per_step": float(wall_us.median() / 1e3),
             "wall_ms_per_step_unprofiled": _median(unprofiled_ms.get(phase, [])),
-            "gpu_busy_ms_per_step": None, "gpu_busy_frac": None, "kernels_per_step": None,
-            "ops_per_step": (ops_per_step or {}).get(phase), "host_us_per_kernel": None, "regime": None,
+            "gpu_busy_ms_per_step": None,
+            "gpu_busy_frac": None,
+            "kernels_per_step": None,
+            "ops_per_step": (ops_per_step or {}).get(phase),
+            "host_us_per_kernel": None,
+            "regime": None,
         }
         if gpu:
-            busy = pd.Series({s: busy_us(g["ts_us"].to_numpy(), (g["ts_us"] + g["dur_us"]).to_numpy())
-                              for s, g in per_step}, dtype=float).reindex(wall_us.index, fill_value=0.0)
+            busy = pd.Series(
+                {s: busy_us(g["ts_us"].to_numpy(), (g["ts_us"] + g["dur_us"]).to_numpy()) for s, g in per_step},
+                dtype=float,
+            ).reindex(wall_us.index, fill_value=0.0)
             count = per_step.size().reindex(wall_us.index, fill_value=0)
             frac = float((busy / wall_us).median())
             summary.update(
-                gpu_busy_ms_per_step=float(busy.median() / 1e3), gpu_busy_frac=frac,
+                gpu_busy_ms_per_step=float(busy.median() / 1e3),
+                gpu_busy_frac=frac,
                 kernels_per_step=float(count.median()),
                 host_us_per_kernel=float((wall_us / count.replace(0, np.nan)).median()),
                 regime="host-bound" if frac < HOST_BOUND_BELOW else "gpu-bound",
@@ -146,13 +185,22 @@ def _top_kernels(ks: pd.DataFrame, n_steps: int) -> list[dict]:
     rows = []
     for (name, op, category, bound), dur in top.items():
         g = grouped.get_group((name, op, category, bound))
-        rows.append({
-            "name": name, "op": op, "category": category, "bound": bound,
-            "calls_per_step": len(g) / max(n_steps, 1), "us_per_step": float(dur / max(n_steps, 1)),
-            "share": float(dur / total), "module": g["module_pattern"].mode().iat[0] if len(g) else "",
-            "intensity": _ratio(g["flops"].sum(min_count=1), g["bytes"].sum(min_count=1)),
-            "achieved_frac": _finite(g["achieved_frac"].dropna().median()) if g["achieved_frac"].notna().any() else None,
-        })
+        rows.append(
+            {
+                "name": name,
+                "op": op,
+                "category": category,
+                "bound": bound,
+                "calls_per_step": len(g) / max(n_steps, 1),
+                "us_per_step": float(dur / max(n_steps, 1)),
+                "share": float(dur / total),
+                "module": g["module_pattern"].mode().iat[0] if len(g) else "",
+                "intensity": _ratio(g["flops"].sum(min_count=1), g["bytes"].sum(min_count=1)),
+                "achieved_frac": _finite(g["achieved_frac"].dropna().median())
+                if g["achieved_frac"].notna().any()
+                else None,
+            }
+        )
     return rows
 
 

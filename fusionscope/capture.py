@@ -53,8 +53,10 @@ def _sync(device: torch.device) -> None:
 def _forward_kwargs(module: torch.nn.Module) -> dict[str, str]:
     """transformers 5.24 renamed `past_key_values=` to `cache=`; 5.17 may know only the old name."""
     params = inspect.signature(module.forward).parameters
-    return {"cache": "cache" if "cache" in params else "past_key_values",
-            "logits_to_keep": "logits_to_keep" if "logits_to_keep" in params else ""}
+    return {
+        "cache": "cache" if "cache" in params else "past_key_values",
+        "logits_to_keep": "logits_to_keep" if "logits_to_keep" in params else "",
+    }
 
 
 def run_sequence(workload: Workload, run_step: StepRunner) -> None:
@@ -114,7 +116,9 @@ def module_ranges(root: torch.nn.Module) -> Iterator[None]:
             h.remove()
 
 
-def capture(workload: Workload, out_dir: Path, warmup: int = 1, on_stage: Callable[[str], None] | None = None) -> Capture:
+def capture(
+    workload: Workload, out_dir: Path, warmup: int = 1, on_stage: Callable[[str], None] | None = None
+) -> Capture:
     """Warm up, time one unprofiled pass, profile one pass; write `out_dir/trace.json.gz`."""
     device = workload.device
     note = on_stage or (lambda _msg: None)
@@ -152,7 +156,8 @@ def capture(workload: Workload, out_dir: Path, warmup: int = 1, on_stage: Callab
         return result
 
     note("profiling")
-    with profile(activities=activities, record_shapes=True) as prof, module_ranges(workload.module):
+    # acc_events: without a schedule the whole pass is one cycle; the flag only silences a per-cycle warning.
+    with profile(activities=activities, record_shapes=True, acc_events=True) as prof, module_ranges(workload.module):
         run_sequence(workload, profiled)
     note("exporting the trace")
     raw = out_dir / "trace.json"

@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -18,8 +18,15 @@ from rich.table import Table
 
 from fusionscope.errors import UsageError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Find what to fuse in a PyTorch model, estimate what it is worth, and prove it on the GPU.")
+if TYPE_CHECKING:
+    import pandas as pd
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Find what to fuse in a PyTorch model, estimate what it is worth, and prove it on the GPU.",
+)
 console = Console(stderr=True)
 out = Console()
 
@@ -56,8 +63,9 @@ class StageLog:
 
 @app.command()
 def profile(
-    model: Annotated[str, typer.Argument(help="preset name, Hugging Face folder, or path/to/file.py:factory")] =
-    "tiny-llama",
+    model: Annotated[
+        str, typer.Argument(help="preset name, Hugging Face folder, or path/to/file.py:factory")
+    ] = "tiny-llama",
     out_dir: Annotated[Path | None, typer.Option("--out", help="run folder to create (must not exist)")] = None,
     batch: Annotated[int, typer.Option(help="sequences per step")] = 1,
     prompt_len: Annotated[int, typer.Option(help="prompt tokens (prefill length)")] = 128,
@@ -65,8 +73,9 @@ def profile(
     dtype: Annotated[str, typer.Option(help="auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32")] = "auto",
     device: Annotated[str, typer.Option(help="auto, cpu or cuda")] = "auto",
     warmup: Annotated[int, typer.Option(help="unrecorded passes over the exact timed lengths")] = 1,
-    remeasure: Annotated[bool, typer.Option(help="measure the device's roofs again instead of using the cache")] =
-    False,
+    remeasure: Annotated[
+        bool, typer.Option(help="measure the device's roofs again instead of using the cache")
+    ] = False,
 ) -> None:
     """Capture MODEL under torch.profiler, classify every kernel against the measured roofs, write a run folder."""
     from fusionscope.run import profile as run_profile
@@ -74,8 +83,18 @@ def profile(
     t0 = time.perf_counter()
     with usage_errors(), console.status("profiling…") as status:
         progress = StageLog(status)
-        run = run_profile(model, out=out_dir, batch=batch, prompt_len=prompt_len, decode_steps=decode_steps,
-                          dtype=dtype, device=device, warmup=warmup, remeasure=remeasure, on_stage=progress.start)
+        run = run_profile(
+            model,
+            out=out_dir,
+            batch=batch,
+            prompt_len=prompt_len,
+            decode_steps=decode_steps,
+            dtype=dtype,
+            device=device,
+            warmup=warmup,
+            remeasure=remeasure,
+            on_stage=progress.start,
+        )
         progress.start(None)
     print_summary(run.summary)
     out.print(f"report: {run.report_path}   ({time.perf_counter() - t0:.1f} s in all)")
@@ -92,13 +111,109 @@ def report(run_dir: Annotated[Path, typer.Argument(help="a run folder written by
     out.print(f"report: {path}")
 
 
+@app.command()
+def bench(
+    kernels: Annotated[list[str] | None, typer.Argument(help="kernels to benchmark (default: all)")] = None,
+    list_cases: Annotated[
+        bool, typer.Option("--list", help="list the kernels, shapes and tolerances; no GPU needed")
+    ] = False,
+    quick: Annotated[bool, typer.Option(help="one decode and one prefill shape per kernel")] = False,
+    dtype: Annotated[str, typer.Option(help="bf16, fp16 or fp32")] = "bf16",
+    out_dir: Annotated[
+        Path | None, typer.Option("--out", help="folder to create (default reports/bench-<time>)")
+    ] = None,
+) -> None:
+    """Time each bundled kernel against eager, torch.compile, PyTorch's fused op and Liger-Kernel on the GPU."""
+    from fusionscope.bench import kernel_names
+
+    with usage_errors():
+        if list_cases:
+            print_cases(kernels or kernel_names())
+            return
+        import torch
+
+        from fusionscope.bench import run_bench
+        from fusionscope.bench.page import render_bench_page
+        from fusionscope.models import DTYPES
+        from fusionscope.run import check_out_dir, default_out_dir, staged_dir, write_json
+
+        if dtype not in DTYPES:
+            raise UsageError(f"unknown dtype '{dtype}': use bf16, fp16 or fp32")
+        if not torch.cuda.is_available():
+            raise UsageError("fusionscope bench needs a CUDA GPU; this machine has none (--list works without one)")
+        folder = out_dir or default_out_dir("bench")
+        check_out_dir(folder)
+        with console.status("benchmarking…") as status:
+            result = run_bench(
+                kernels or None,
+                dtype=DTYPES[dtype],
+                quick=quick,
+                on_case=lambda label: status.update(f"benchmarking {label}…"),
+            )
+        with staged_dir(folder) as tmp:
+            result.rows.to_csv(tmp / "bench.csv", index=False, float_format="%.6g")
+            write_json(tmp / "bench.json", result.meta)
+            (tmp / "bench.html").write_text(render_bench_page(result.rows, result.meta), encoding="utf-8")
+    print_bench(result.rows)
+    out.print(f"results: {folder}/bench.csv, {folder}/bench.html")
+
+
+def print_cases(names: list[str]) -> None:
+    from fusionscope.bench.cases import CASES
+    from fusionscope.kernels.tolerances import TOLERANCES
+
+    unknown = sorted(set(names) - set(CASES))
+    if unknown:
+        raise UsageError(f"unknown kernel(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
+    table = Table(title="bench cases")
+    for col in ("kernel", "phase", "shape", "variants"):
+        table.add_column(col)
+    for name in names:
+        for case in CASES[name]():
+            table.add_row(name, case.phase, case.label, ", ".join(case.variants))
+    out.print(table)
+    tol = Table(title="numerical tolerances (kernel vs float64 reference)")
+    for col in ("dtype", "atol", "rtol"):
+        tol.add_column(col)
+    for dt, (atol, rtol) in TOLERANCES.items():
+        tol.add_row(str(dt).removeprefix("torch."), f"{atol:g}", f"{rtol:g}")
+    out.print(tol)
+
+
+def print_bench(rows: pd.DataFrame) -> None:
+    table = Table(title="fusionscope bench (GPU µs by CUDA-graph replay; % of measured copy bandwidth)")
+    for col in ("kernel", "case", "variant", "GPU µs", "cold µs", "host µs", "GB/s", "% copy", "max err", "regs"):
+        table.add_column(col, justify="left" if col in ("kernel", "case", "variant") else "right")
+
+    def fmt(value: object, spec: str) -> str:
+        return "—" if value is None or value != value else format(value, spec)
+
+    for row in rows.to_dict("records"):
+        table.add_row(
+            row["kernel"],
+            row["case"],
+            row["variant"],
+            fmt(row.get("gpu_us"), ".2f"),
+            fmt(row.get("cold_us"), ".2f"),
+            fmt(row.get("host_us"), ".1f"),
+            fmt(row.get("gbps"), ".0f"),
+            fmt(row.get("pct_copy_bw"), ".0f"),
+            fmt(row.get("max_err"), ".2g"),
+            fmt(row.get("registers"), ".0f"),
+        )
+    out.print(table)
+
+
 def print_summary(summary: dict) -> None:
     """The per-phase table printed at the end of a run."""
     model, device = summary.get("model", {}), summary.get("device", {})
     table = Table(title=f"{model.get('name')} on {device.get('name')} ({model.get('dtype')})")
-    for col in ("phase", "wall ms/step", "unprofiled ms", "GPU busy ms", "kernels/step", "host µs/kernel", "regime",
-                "top kernel"):
-        table.add_column(col, justify="left" if col in ("phase", "regime", "top kernel") else "right")
+    for col in ("phase", "ms/step", "unprof.", "GPU busy", "kernels", "µs/kern", "regime", "top kernel (share)"):
+        table.add_column(
+            col,
+            justify="left" if col in ("phase", "regime", "top kernel (share)") else "right",
+            overflow="fold" if col == "top kernel (share)" else "ellipsis",
+        )
 
     def fmt(value: float | None, spec: str = ".2f") -> str:
         return "—" if value is None else format(value, spec)
@@ -108,12 +223,21 @@ def print_summary(summary: dict) -> None:
         busy = ph.get("gpu_busy_ms_per_step")
         frac = ph.get("gpu_busy_frac")
         table.add_row(
-            name, fmt(ph.get("wall_ms_per_step")), fmt(ph.get("wall_ms_per_step_unprofiled")),
-            "—" if busy is None else f"{busy:.2f} ({frac:.0%})", fmt(ph.get("kernels_per_step"), ".0f"),
-            fmt(ph.get("host_us_per_kernel"), ".1f"), ph.get("regime") or "cpu run",
-            f"{str(top[0].get('name', ''))[:40]} {top[0].get('share', 0):.0%}" if top[0] else "",
+            name,
+            fmt(ph.get("wall_ms_per_step")),
+            fmt(ph.get("wall_ms_per_step_unprofiled")),
+            "—" if busy is None else f"{busy:.2f} ({frac:.0%})",
+            fmt(ph.get("kernels_per_step"), ".0f"),
+            fmt(ph.get("host_us_per_kernel"), ".1f"),
+            ph.get("regime") or "cpu",
+            f"{str(top[0].get('name', ''))[:32]} ({top[0].get('share', 0):.0%})" if top[0] else "",
         )
     out.print(table)
+    out.print(
+        "ms/step: profiled wall time per step (median); unprof.: the same without the profiler; GPU busy: "
+        "kernel time with overlaps counted once",
+        style="dim",
+    )
     coverage = summary.get("cost_coverage")
     if coverage is not None:
         out.print(f"cost coverage: {coverage:.1%} of kernel time has a bytes/FLOPs model")

@@ -25,10 +25,14 @@ import torch
 # Vendor datasheet peaks (dense), for display beside the measured roofs. Keys are torch.cuda.get_device_name() values.
 DATASHEETS: dict[str, dict] = {
     "NVIDIA H200": {"gbps": 4800.0, "tflops": {"bfloat16": 989.0, "float16": 989.0, "tf32": 494.0, "float32": 67.0}},
-    "NVIDIA H100 80GB HBM3": {"gbps": 3350.0,
-                              "tflops": {"bfloat16": 989.0, "float16": 989.0, "tf32": 494.0, "float32": 67.0}},
-    "NVIDIA A100-SXM4-80GB": {"gbps": 2039.0,
-                              "tflops": {"bfloat16": 312.0, "float16": 312.0, "tf32": 156.0, "float32": 19.5}},
+    "NVIDIA H100 80GB HBM3": {
+        "gbps": 3350.0,
+        "tflops": {"bfloat16": 989.0, "float16": 989.0, "tf32": 494.0, "float32": 67.0},
+    },
+    "NVIDIA A100-SXM4-80GB": {
+        "gbps": 2039.0,
+        "tflops": {"bfloat16": 312.0, "float16": 312.0, "tf32": 156.0, "float32": 19.5},
+    },
 }
 ROOFS_VERSION = 1  # bump when the measurement method changes, so old cache entries are not reused
 
@@ -96,8 +100,15 @@ def cache_dir() -> Path:
 
 
 def _cache_file(device: torch.device, versions: dict[str, str]) -> Path:
-    key = "-".join([device_name(device), versions["torch"], versions.get("triton", ""), versions.get("cuda", "cpu"),
-                    f"v{ROOFS_VERSION}"])
+    key = "-".join(
+        [
+            device_name(device),
+            versions["torch"],
+            versions.get("triton", ""),
+            versions.get("cuda", "cpu"),
+            f"v{ROOFS_VERSION}",
+        ]
+    )
     return cache_dir() / "roofs" / (re.sub(r"[^A-Za-z0-9.]+", "_", key) + ".json")
 
 
@@ -129,14 +140,30 @@ def measure_ceilings(device: torch.device, versions: dict[str, str] | None = Non
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
     if device.type == "cuda":
         return DeviceCeilings(
-            kind="cuda", name=name, copy_gbps=_copy_gbps(device, 1 << 30), read_heavy_gbps=_read_heavy_gbps(device,
-            1 << 29), tflops=_gemm_tflops(device, 8192), launch_us=_triton_launch_us(), aten_op_host_us=_aten_op_us(
-            device), datasheet=DATASHEETS.get(name), measured_at=now, versions=versions)
+            kind="cuda",
+            name=name,
+            copy_gbps=_copy_gbps(device, 1 << 30),
+            read_heavy_gbps=_read_heavy_gbps(device, 1 << 29),
+            tflops=_gemm_tflops(device, 8192),
+            launch_us=_triton_launch_us(),
+            aten_op_host_us=_aten_op_us(device),
+            datasheet=DATASHEETS.get(name),
+            measured_at=now,
+            versions=versions,
+        )
     # CPU: sizes keep the whole measurement around a second on a 2-core machine.
     return DeviceCeilings(
-        kind="cpu", name=name, copy_gbps=_copy_gbps(device, 1 << 27), read_heavy_gbps=_read_heavy_gbps(device, 1 << 26),
-        tflops=_gemm_tflops(device, 512), launch_us=None, aten_op_host_us=_aten_op_us(device), datasheet=None,
-        measured_at=now, versions=versions)
+        kind="cpu",
+        name=name,
+        copy_gbps=_copy_gbps(device, 1 << 27),
+        read_heavy_gbps=_read_heavy_gbps(device, 1 << 26),
+        tflops=_gemm_tflops(device, 512),
+        launch_us=None,
+        aten_op_host_us=_aten_op_us(device),
+        datasheet=None,
+        measured_at=now,
+        versions=versions,
+    )
 
 
 def _time_ms(device: torch.device, fn: Callable[[], object], reps: int) -> float:

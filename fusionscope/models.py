@@ -24,38 +24,101 @@ from fusionscope.errors import UsageError
 # config.json-style dictionaries with the published dimensions of each architecture.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny-llama": dict(
-        model_type="llama", hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=512, vocab_size=1000, max_position_embeddings=4096,
+        model_type="llama",
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        vocab_size=1000,
+        max_position_embeddings=4096,
     ),
     "llama-3.2-1b": dict(
-        model_type="llama", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-        intermediate_size=8192, vocab_size=128256, head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5,
-        tie_word_embeddings=True, rope_theta=500000.0,
-        rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=8192),
+        model_type="llama",
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=8192,
+        vocab_size=128256,
+        head_dim=64,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
     ),
     "llama-3.1-8b": dict(
-        model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-        intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, rope_theta=500000.0,
-        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=8192),
+        model_type="llama",
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
     ),
     "qwen2.5-7b": dict(
-        model_type="qwen2", hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-        intermediate_size=18944, vocab_size=152064, max_position_embeddings=32768, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, rope_theta=1000000.0,
+        model_type="qwen2",
+        hidden_size=3584,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        intermediate_size=18944,
+        vocab_size=152064,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
     ),
     "mistral-7b": dict(
-        model_type="mistral", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-        intermediate_size=14336, vocab_size=32768, head_dim=128, max_position_embeddings=32768, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, rope_theta=1000000.0, sliding_window=None,
+        model_type="mistral",
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=32768,
+        head_dim=128,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+        sliding_window=None,
     ),
     "gemma-2-2b": dict(
-        model_type="gemma2", hidden_size=2304, num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
-        head_dim=256, intermediate_size=9216, vocab_size=256000, max_position_embeddings=8192, rms_norm_eps=1e-6,
-        hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256, sliding_window=4096,
-        final_logit_softcapping=30.0, attn_logit_softcapping=50.0, rope_theta=10000.0,
+        model_type="gemma2",
+        hidden_size=2304,
+        num_hidden_layers=26,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        intermediate_size=9216,
+        vocab_size=256000,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-6,
+        hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=256,
+        sliding_window=4096,
+        final_logit_softcapping=30.0,
+        attn_logit_softcapping=50.0,
+        rope_theta=10000.0,
     ),
     "gpt2": dict(model_type="gpt2", n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=1024),
 }
@@ -113,7 +176,9 @@ def resolve_model(model: str) -> ModelSpec:
     if os.sep in model or model.endswith(".py") or model.startswith("."):
         raise UsageError(f"path not found: {model}")
     names = ", ".join([*PRESETS, *PACKAGED])
-    raise UsageError(f"unknown model '{model}': use a preset ({names}), a local Hugging Face folder, or file.py:factory")
+    raise UsageError(
+        f"unknown model '{model}': use a preset ({names}), a local Hugging Face folder, or file.py:factory"
+    )
 
 
 def _folder_spec(path: Path) -> ModelSpec:
@@ -167,8 +232,14 @@ def pick_device(device: str) -> torch.device:
     return dev
 
 
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-          "fp32": torch.float32, "float32": torch.float32}
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+}
 
 
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -222,8 +293,13 @@ def check_fits(name: str, params: int, dtype: torch.dtype, device: torch.device)
 
 
 def build_workload(
-    spec: ModelSpec, device: torch.device, dtype: torch.dtype, batch: int = 1, prompt_len: int = 64,
-    decode_steps: int = 8, seed: int = 0,
+    spec: ModelSpec,
+    device: torch.device,
+    dtype: torch.dtype,
+    batch: int = 1,
+    prompt_len: int = 64,
+    decode_steps: int = 8,
+    seed: int = 0,
 ) -> Workload:
     """Build the module (random weights unless the spec has real ones) and its inputs, on `device` in `dtype`."""
     if batch < 1 or prompt_len < 1 or decode_steps < 0:
@@ -256,8 +332,16 @@ def build_workload(
         raise UsageError(f"--prompt-len + --decode-steps = {prompt_len + decode_steps} exceeds the model's {max_pos}")
     ids = torch.randint(0, config.vocab_size, (batch, prompt_len), device=device)
     return Workload(
-        spec=spec, module=module, device=device, dtype=dtype, phases=("prefill", "decode") if decode_steps else
-        ("prefill",), batch=batch, prompt_len=prompt_len, decode_steps=decode_steps, inputs=(ids,), params=params,
+        spec=spec,
+        module=module,
+        device=device,
+        dtype=dtype,
+        phases=("prefill", "decode") if decode_steps else ("prefill",),
+        batch=batch,
+        prompt_len=prompt_len,
+        decode_steps=decode_steps,
+        inputs=(ids,),
+        params=params,
         family=getattr(config, "model_type", ""),
     )
 
@@ -294,8 +378,16 @@ def _build_factory(spec: ModelSpec, device: torch.device, dtype: torch.dtype) ->
     module = module.to(device=device, dtype=dtype).eval()
     inputs = _move(inputs, device, dtype)
     params = sum(p.numel() for p in module.parameters())
-    return Workload(spec=spec, module=module, device=device, dtype=dtype, phases=("forward",), inputs=inputs,
-                    params=params, family=type(module).__name__)
+    return Workload(
+        spec=spec,
+        module=module,
+        device=device,
+        dtype=dtype,
+        phases=("forward",),
+        inputs=inputs,
+        params=params,
+        family=type(module).__name__,
+    )
 
 
 def _move(value: Any, device: torch.device, dtype: torch.dtype) -> Any:

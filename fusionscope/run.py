@@ -75,8 +75,16 @@ def staged_dir(out: Path) -> Iterator[Path]:
 
 
 def profile(
-    model: str = "tiny-llama", *, out: str | Path | None = None, batch: int = 1, prompt_len: int = 128,
-    decode_steps: int = 16, dtype: str = "auto", device: str = "auto", warmup: int = 1, remeasure: bool = False,
+    model: str = "tiny-llama",
+    *,
+    out: str | Path | None = None,
+    batch: int = 1,
+    prompt_len: int = 128,
+    decode_steps: int = 16,
+    dtype: str = "auto",
+    device: str = "auto",
+    warmup: int = 1,
+    remeasure: bool = False,
     on_stage: Callable[[str], None] | None = None,
 ) -> Run:
     """Profile MODEL and write its run folder (trace, tables, summary.json, report.html); return the Run."""
@@ -95,15 +103,22 @@ def profile(
         raise UsageError("--warmup must be ≥ 0")
     with staged_dir(out_dir) as tmp:
         note(f"building {spec.name} on {dev.type} in {str(torch_dtype).removeprefix('torch.')}")
-        workload = models.build_workload(spec, dev, torch_dtype, batch=batch, prompt_len=prompt_len,
-                                         decode_steps=decode_steps)
+        workload = models.build_workload(
+            spec, dev, torch_dtype, batch=batch, prompt_len=prompt_len, decode_steps=decode_steps
+        )
         note("measuring the device's roofs")
         ceilings = get_ceilings(dev, remeasure=remeasure)
         cap = capture.capture(workload, tmp, warmup=warmup, on_stage=note)
-        model_info = {"name": spec.name, "source": spec.source, "family": workload.family, "params": workload.params,
-                      "dtype": str(torch_dtype).removeprefix("torch."), "batch": batch,
-                      "prompt_len": prompt_len if workload.phases != ("forward",) else None,
-                      "decode_steps": decode_steps if workload.phases != ("forward",) else None}
+        model_info = {
+            "name": spec.name,
+            "source": spec.source,
+            "family": workload.family,
+            "params": workload.params,
+            "dtype": str(torch_dtype).removeprefix("torch."),
+            "batch": batch,
+            "prompt_len": prompt_len if workload.phases != ("forward",) else None,
+            "decode_steps": decode_steps if workload.phases != ("forward",) else None,
+        }
         del workload
         note("loading the trace (HTA) and joining kernels to ops and modules")
         timeline = trace.load_timeline(cap.trace_path)
@@ -120,8 +135,13 @@ def profile(
             "versions": ceilings.versions,
             "roofs": ceilings.to_json(),
             "cost_coverage": analysis.cost_coverage(kernels),
-            "phases": analysis.summarize_phases(kernels, timeline.steps, cap.unprofiled_ms, timeline.device_kind,
-                                                {str(k): float(v) for k, v in ops_per_step.dropna().items()}),
+            "phases": analysis.summarize_phases(
+                kernels,
+                timeline.steps,
+                cap.unprofiled_ms,
+                timeline.device_kind,
+                {str(k): float(v) for k, v in ops_per_step.dropna().items()},
+            ),
         }
         note("writing the run folder")
         write_tables(tmp, kernels, timeline.ops)
@@ -170,8 +190,9 @@ def load_run(run_dir: str | Path) -> Run:
         summary = json.loads(summary_file.read_text())
     except json.JSONDecodeError as exc:
         raise UsageError(f"malformed {summary_file}: {exc}") from None
-    kernels = pd.read_csv(kernels_file, keep_default_na=False, na_values=[""],
-                          dtype={"name": str, "op": str, "module": str, "phase": str})
+    kernels = pd.read_csv(
+        kernels_file, keep_default_na=False, na_values=[""], dtype={"name": str, "op": str, "module": str, "phase": str}
+    )
     for col in ("name", "op", "module", "phase"):
         if col in kernels:
             kernels[col] = kernels[col].fillna("")

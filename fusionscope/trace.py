@@ -23,10 +23,41 @@ from fusionscope.errors import UsageError
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 CPU_CATS = ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver")
-OP_COLUMNS = ["rank", "op_id", "name", "tid", "ts_us", "dur_us", "self_us", "step", "phase", "module", "external_id",
-              "input_dims", "input_type", "concrete_inputs"]
-KERNEL_COLUMNS = ["rank", "kernel_id", "name", "stream", "ts_us", "dur_us", "op_id", "op", "step", "phase", "module",
-                  "grid", "block", "registers_per_thread", "shared_memory", "bytes_arg"]
+OP_COLUMNS = [
+    "rank",
+    "op_id",
+    "parent_op",
+    "name",
+    "tid",
+    "ts_us",
+    "dur_us",
+    "self_us",
+    "step",
+    "phase",
+    "module",
+    "external_id",
+    "input_dims",
+    "input_type",
+    "concrete_inputs",
+]
+KERNEL_COLUMNS = [
+    "rank",
+    "kernel_id",
+    "name",
+    "stream",
+    "ts_us",
+    "dur_us",
+    "op_id",
+    "op",
+    "step",
+    "phase",
+    "module",
+    "grid",
+    "block",
+    "registers_per_thread",
+    "shared_memory",
+    "bytes_arg",
+]
 
 
 @dataclass
@@ -43,8 +74,15 @@ def _parser_config():
     from hta.configs.parser_config import AVAILABLE_ARGS, ParserConfig
 
     cfg = ParserConfig.get_default_cfg().clone()
-    extra = ["index::external_id", "cpu_op::concrete_inputs", "threads::grid", "threads::block",
-             "threads::registers", "kernel::shared_memory", "data::bytes"]
+    extra = [
+        "index::external_id",
+        "cpu_op::concrete_inputs",
+        "threads::grid",
+        "threads::block",
+        "threads::registers",
+        "kernel::shared_memory",
+        "data::bytes",
+    ]
     cfg.set_args(ParserConfig.get_minimum_args() + ParserConfig.ARGS_INPUT_SHAPE + [AVAILABLE_ARGS[k] for k in extra])
     return cfg
 
@@ -66,11 +104,13 @@ def load_hta_trace(path: Path):
         if path.is_dir():
             trace = Trace(trace_dir=str(path), parser_config=_parser_config())
         else:
-            trace = Trace(trace_files={_rank_of(path): str(path)}, trace_dir=str(path.parent),
-                          parser_config=_parser_config())
+            trace = Trace(
+                trace_files={_rank_of(path): str(path)}, trace_dir=str(path.parent), parser_config=_parser_config()
+            )
         trace.load_traces(include_last_profiler_step=True, use_multiprocessing=False, use_memory_profiling=False)
     except (ValueError, OSError, KeyError) as exc:
-        raise UsageError(f"cannot parse trace {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UsageError(f"cannot parse trace {path}: {reason}") from None
     return trace
 
 
@@ -105,21 +145,37 @@ def _join_rank(rank: int, df: pd.DataFrame, symbols: list[str]) -> tuple[pd.Data
     ops_mask = cpu["cat_s"] == "cpu_op"
     ops = cpu[ops_mask]
     child_time = ops.groupby("parent_op")["dur"].sum()
-    ops = pd.DataFrame({
-        "rank": rank, "op_id": ops["index"].to_numpy(), "name": ops["name_s"].to_numpy(),
-        "tid": ops["tid"].to_numpy(), "ts_us": ops["ts"].to_numpy(dtype=float),
-        "dur_us": ops["dur"].to_numpy(dtype=float),
-        "self_us": (ops["dur"] - ops["index"].map(child_time).fillna(0)).clip(lower=0).to_numpy(dtype=float),
-        "step": ops["step"].to_numpy(), "phase": ops["phase"].to_numpy(), "module": ops["module"].to_numpy(),
-        "external_id": ops.get("external_id", pd.Series(-1, index=ops.index)).to_numpy(),
-        "input_dims": ops["input_dims"].to_numpy() if "input_dims" in ops else None,
-        "input_type": ops["input_type"].to_numpy() if "input_type" in ops else None,
-        "concrete_inputs": ops["concrete_inputs"].to_numpy() if "concrete_inputs" in ops else None,
-    }, columns=OP_COLUMNS)
+    ops = pd.DataFrame(
+        {
+            "rank": rank,
+            "op_id": ops["index"].to_numpy(),
+            "parent_op": ops["parent_op"].to_numpy(),
+            "name": ops["name_s"].to_numpy(),
+            "tid": ops["tid"].to_numpy(),
+            "ts_us": ops["ts"].to_numpy(dtype=float),
+            "dur_us": ops["dur"].to_numpy(dtype=float),
+            "self_us": (ops["dur"] - ops["index"].map(child_time).fillna(0)).clip(lower=0).to_numpy(dtype=float),
+            "step": ops["step"].to_numpy(),
+            "phase": ops["phase"].to_numpy(),
+            "module": ops["module"].to_numpy(),
+            "external_id": ops.get("external_id", pd.Series(-1, index=ops.index)).to_numpy(),
+            "input_dims": ops["input_dims"].to_numpy() if "input_dims" in ops else None,
+            "input_type": ops["input_type"].to_numpy() if "input_type" in ops else None,
+            "concrete_inputs": ops["concrete_inputs"].to_numpy() if "concrete_inputs" in ops else None,
+        },
+        columns=OP_COLUMNS,
+    )
 
     ann = cpu[cpu["name_s"].str.startswith(STEP_PREFIX, na=False)]
-    steps = pd.DataFrame({"rank": rank, "step": ann["step"].to_numpy(), "phase": ann["phase_inner"].to_numpy(),
-                          "ts_us": ann["ts"].to_numpy(dtype=float), "dur_us": ann["dur"].to_numpy(dtype=float)})
+    steps = pd.DataFrame(
+        {
+            "rank": rank,
+            "step": ann["step"].to_numpy(),
+            "phase": ann["phase_inner"].to_numpy(),
+            "ts_us": ann["ts"].to_numpy(dtype=float),
+            "dur_us": ann["dur"].to_numpy(dtype=float),
+        }
+    )
 
     gpu = df[df["cat_s"].isin(GPU_CATS)]
     kernels = _join_kernels(rank, gpu, ops, cpu)
@@ -158,16 +214,16 @@ def _sweep(cpu: pd.DataFrame) -> dict[str, np.ndarray]:
         name = names[i]
         if cats[i] == "user_annotation":
             if name.startswith(STEP_PREFIX):
-                s = int(name[len(STEP_PREFIX):])
+                s = int(name[len(STEP_PREFIX) :])
                 step[i] = s
                 step_row[(current_tid, s)] = i
             elif name.startswith(PHASE_PREFIX):
-                p = name[len(PHASE_PREFIX):]
+                p = name[len(PHASE_PREFIX) :]
                 phase[i] = p
                 if (current_tid, s) in step_row:
                     phase_inner[step_row[(current_tid, s)]] = p
             elif name.startswith(MODULE_PREFIX):
-                m = name[len(MODULE_PREFIX):]
+                m = name[len(MODULE_PREFIX) :]
         elif cats[i] == "cpu_op":
             op = idx[i]
         if ends[i] > starts[i] or cats[i] != "cuda_runtime":
@@ -193,16 +249,24 @@ def _join_kernels(rank: int, gpu: pd.DataFrame, ops: pd.DataFrame, cpu: pd.DataF
         val = op_id.map(op_rows[col]).where(has_op)
         return val.fillna(launch.map(runtime[col])).fillna(default)
 
-    return pd.DataFrame({
-        "rank": rank, "kernel_id": gpu["index"].to_numpy(), "name": gpu["name_s"].to_numpy(),
-        "stream": gpu["stream"].to_numpy(), "ts_us": gpu["ts"].to_numpy(dtype=float),
-        "dur_us": gpu["dur"].to_numpy(dtype=float), "op_id": op_id.to_numpy(),
-        "op": op_id.map(op_rows["name"]).fillna("").to_numpy(),
-        "step": from_op_or_launch("step", -1).astype(np.int64).to_numpy(),
-        "phase": from_op_or_launch("phase", "").to_numpy(), "module": from_op_or_launch("module", "").to_numpy(),
-        "grid": gpu["grid"].to_numpy() if "grid" in gpu else None,
-        "block": gpu["block"].to_numpy() if "block" in gpu else None,
-        "registers_per_thread": gpu["registers_per_thread"].to_numpy() if "registers_per_thread" in gpu else -1,
-        "shared_memory": gpu["shared_memory"].to_numpy() if "shared_memory" in gpu else -1,
-        "bytes_arg": gpu["bytes"].to_numpy() if "bytes" in gpu else -1,
-    }, columns=KERNEL_COLUMNS)
+    return pd.DataFrame(
+        {
+            "rank": rank,
+            "kernel_id": gpu["index"].to_numpy(),
+            "name": gpu["name_s"].to_numpy(),
+            "stream": gpu["stream"].to_numpy(),
+            "ts_us": gpu["ts"].to_numpy(dtype=float),
+            "dur_us": gpu["dur"].to_numpy(dtype=float),
+            "op_id": op_id.to_numpy(),
+            "op": op_id.map(op_rows["name"]).fillna("").to_numpy(),
+            "step": from_op_or_launch("step", -1).astype(np.int64).to_numpy(),
+            "phase": from_op_or_launch("phase", "").to_numpy(),
+            "module": from_op_or_launch("module", "").to_numpy(),
+            "grid": gpu["grid"].to_numpy() if "grid" in gpu else None,
+            "block": gpu["block"].to_numpy() if "block" in gpu else None,
+            "registers_per_thread": gpu["registers_per_thread"].to_numpy() if "registers_per_thread" in gpu else -1,
+            "shared_memory": gpu["shared_memory"].to_numpy() if "shared_memory" in gpu else -1,
+            "bytes_arg": gpu["bytes"].to_numpy() if "bytes" in gpu else -1,
+        },
+        columns=KERNEL_COLUMNS,
+    )

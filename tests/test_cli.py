@@ -26,8 +26,13 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_profile_writes_a_complete_run_folder(tiny_run: Path) -> None:
-    assert sorted(p.name for p in tiny_run.iterdir()) == ["kernels.csv", "ops.csv", "report.html", "summary.json",
-                                                          "trace.json.gz"]
+    assert sorted(p.name for p in tiny_run.iterdir()) == [
+        "kernels.csv",
+        "ops.csv",
+        "report.html",
+        "summary.json",
+        "trace.json.gz",
+    ]
     summary = json.loads((tiny_run / "summary.json").read_text())
     assert summary["model"]["name"] == "tiny-llama" and summary["device"]["kind"] == "cpu"
     assert set(summary["phases"]) == {"prefill", "decode"}
@@ -105,8 +110,11 @@ def test_cuda_without_gpu(tmp_path: Path) -> None:
 
 
 def test_model_too_large(tmp_path: Path) -> None:
-    _bad(["profile", "llama-3.1-8b", "--dtype", "fp32", "--device", "cpu", "--out", str(tmp_path / "r")],
-         "needs about", tmp_path)
+    _bad(
+        ["profile", "llama-3.1-8b", "--dtype", "fp32", "--device", "cpu", "--out", str(tmp_path / "r")],
+        "needs about",
+        tmp_path,
+    )
 
 
 def test_existing_out(tmp_path: Path) -> None:

@@ -34,8 +34,13 @@ print('ok')
 
 
 def test_bare_kernels_import_from_repo_root_has_no_effect() -> None:
-    done = subprocess.run([sys.executable, "-c", PROBE.format(root=str(REPO / "kernels"))], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE.format(root=str(REPO / "kernels"))],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
 
 

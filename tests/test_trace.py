@@ -15,8 +15,10 @@ import pytest
 from fusionscope import analysis, trace
 
 DATA = Path(__file__).resolve().parent / "data"
-FIXTURES = {"tiny-llama": (DATA / "tiny-llama-cuda.trace.json.gz", 2, 4),
-            "llama-3.2-1b": (DATA / "llama-3.2-1b-cuda.trace.json.gz", 16, 2)}
+FIXTURES = {
+    "tiny-llama": (DATA / "tiny-llama-cuda.trace.json.gz", 2, 4),
+    "llama-3.2-1b": (DATA / "llama-3.2-1b-cuda.trace.json.gz", 16, 2),
+}
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -60,8 +62,11 @@ def test_gemms_belong_to_their_projection_modules(loaded: tuple) -> None:
     mm = k[(k["op"] == "aten::mm") & (k["phase"] == "decode")]
     per_step = mm.groupby("step")["op_id"].nunique()
     assert (per_step == layers * len(PROJECTIONS) + 1).all()  # 7 projections per layer + lm_head
-    expected = {f"model.layers.{i}.{'self_attn' if p in PROJECTIONS[:4] else 'mlp'}.{p}" for i in range(layers)
-                for p in PROJECTIONS} | {"lm_head"}
+    expected = {
+        f"model.layers.{i}.{'self_attn' if p in PROJECTIONS[:4] else 'mlp'}.{p}"
+        for i in range(layers)
+        for p in PROJECTIONS
+    } | {"lm_head"}
     assert set(mm["module"]) == expected
 
 
@@ -134,3 +139,20 @@ def test_cpu_trace_self_times_add_up(tmp_path: Path) -> None:
     linear = ops[ops["name"] == "aten::mm"]
     assert set(linear["module"]) == {f"{b}.{p}" for b in (0, 1) for p in ("gate_proj", "up_proj", "down_proj")}
     assert isinstance(ops, pd.DataFrame)
+
+
+def test_cpu_costs_are_not_charged_twice_to_parent_and_child() -> None:
+    """`_to_copy` (cost 10) hands its work to `copy_` (cost 10): the pair moves 10 bytes, not 20."""
+    costs = pd.DataFrame(
+        {
+            "flops": [0.0, 0.0, 0.0, 4.0, np.nan],
+            "bytes": [10.0, 10.0, 0.0, 6.0, np.nan],
+            "category": ["copy", "copy", "view", "elementwise", None],
+            "dtype": None,
+        },
+        index=[1, 2, 3, 4, 5],
+    )
+    parent = pd.Series({1: -1, 2: 3, 3: 1, 4: -1, 5: 4})  # 1 → 3 (a view in between) → 2; 4 → 5 (unmodeled)
+    adjusted = analysis._self_costs(costs, parent)
+    assert adjusted.loc[[1, 2, 4], "bytes"].tolist() == [0.0, 10.0, 6.0]
+    assert np.isnan(adjusted.loc[5, "bytes"])

@@ -1,0 +1,117 @@
+"""`fusionscope bench`: each bundled kernel against eager PyTorch, torch.compile, PyTorch's own fused op and
+Liger-Kernel, over decode and prefill shapes, on the GPU.
+
+Per variant: GPU time by CUDA-graph replay, cold-L2 time, host cost per call, GB/s by minimal traffic, % of the
+measured copy bandwidth, max error against the float64 reference, and for our Triton kernels registers per thread and
+spills. Results are plain rows (a DataFrame) plus a meta block (device, versions, date, roofs); `page.py` draws them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+
+from fusionscope.errors import UsageError
+
+
+@dataclass
+class BenchResult:
+    rows: pd.DataFrame
+    meta: dict
+
+
+def kernel_names() -> list[str]:
+    from fusionscope.bench.cases import CASES
+
+    return list(CASES)
+
+
+def _max_error(output: object, reference: object) -> float | None:
+    if reference is None:
+        return None
+    outs = output if isinstance(output, (tuple, list)) else (output,)
+    refs = reference if isinstance(reference, (tuple, list)) else (reference,)
+    errors = [
+        (o.double() - r.double()).abs().max().item()
+        for o, r in zip(outs, refs)
+        if isinstance(o, torch.Tensor) and isinstance(r, torch.Tensor) and o.shape == r.shape
+    ]
+    return max(errors) if errors else None
+
+
+def run_bench(
+    names: list[str] | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    quick: bool = False,
+    on_case: Callable[[str], None] | None = None,
+) -> BenchResult:
+    """Benchmark the named kernels (all when None). `quick` keeps one decode and one prefill shape per kernel."""
+    if not torch.cuda.is_available():
+        raise UsageError("fusionscope bench needs a CUDA GPU; this machine has none (use --list to see the cases)")
+    from fusionscope.bench.cases import CASES, kernel_module
+    from fusionscope.bench.timing import time_variant, triton_registers
+    from fusionscope.device import get_ceilings, software_versions
+
+    unknown = sorted(set(names or []) - set(CASES))
+    if unknown:
+        raise UsageError(f"unknown kernel(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
+    device = torch.device("cuda")
+    ceilings = get_ceilings(device)
+    rows = []
+    for name in names or list(CASES):
+        cases = CASES[name]()
+        if quick:
+            cases = [c for i, c in enumerate(cases) if i == 0 or c.phase != cases[0].phase][:2]
+        module_name = {"qkv": "horizontal"}.get(name, name)
+        jit_fns = [v for v in vars(kernel_module(module_name)).values() if type(v).__name__ == "JITFunction"]
+        for case in cases:
+            (on_case or (lambda _m: None))(f"{name} {case.label}")
+            inputs = case.build(device, dtype)
+            traffic = case.traffic(inputs)
+            reference = case.reference(inputs) if case.reference else None
+            for variant, fn in case.variants.items():
+                row = {
+                    "kernel": name,
+                    "case": case.label,
+                    "phase": case.phase,
+                    "variant": variant,
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "traffic_bytes": traffic,
+                }
+                try:
+                    output = fn(inputs)
+                    timing = time_variant(lambda fn=fn, i=inputs: fn(i))
+                except Exception as exc:  # a peer that cannot run this shape is reported, not fatal
+                    rows.append({**row, "note": f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"})
+                    continue
+                gbps = traffic / (timing.gpu_us * 1e3) if timing.gpu_us else None
+                regs, spills = triton_registers(jit_fns) if variant == "fusionscope" else (None, None)
+                rows.append(
+                    {
+                        **row,
+                        "gpu_us": timing.gpu_us,
+                        "cold_us": timing.cold_us,
+                        "host_us": timing.host_us,
+                        "gbps": gbps,
+                        "pct_copy_bw": 100 * gbps / ceilings.copy_gbps if gbps else None,
+                        "max_err": _max_error(output, reference),
+                        "registers": regs,
+                        "spills": spills,
+                        "note": timing.note,
+                    }
+                )
+            del inputs, reference
+            torch.cuda.empty_cache()
+    from datetime import datetime, timezone
+
+    meta = {
+        "device": ceilings.name,
+        "versions": software_versions(),
+        "roofs": ceilings.to_json(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "dtype": str(dtype),
+    }
+    return BenchResult(rows=pd.DataFrame(rows), meta=meta)

@@ -1,0 +1,75 @@
+"""How one variant of one kernel is timed on the GPU, three ways, because at decode sizes they disagree.
+
+- GPU time by CUDA-graph replay (`do_bench_cudagraph`): the launch path is out of the picture, so a 2 µs kernel
+  reads as 2 µs; at decode sizes `do_bench` alone measures launch cost, not GPU time (±2× between runs on the H200).
+- Cold-L2 time (`do_bench`, which flushes the L2 before each call): what a kernel costs when its inputs come from HBM.
+- Host cost per call: a back-to-back loop of eager calls with one sync at the end, divided by the count — what the
+  Python wrapper and launch path cost the CPU, which decides decode-time wall clock in eager mode.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Timing:
+    gpu_us: float | None  # median CUDA-graph replay time per call
+    cold_us: float | None  # median do_bench time (L2 flushed)
+    host_us: float | None  # host time per call in a back-to-back loop
+    note: str = ""
+
+
+def time_variant(fn: Callable[[], object], host_calls: int = 200) -> Timing:
+    """Time `fn` three ways; a way that fails (e.g. graph capture of an op that syncs) is reported, not raised."""
+    import triton.testing
+
+    notes = []
+    fn()
+    torch.cuda.synchronize()
+    try:
+        gpu = triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3
+    except Exception as exc:  # capture refuses host syncs, CPU scalars, some RNG paths
+        gpu = None
+        notes.append(f"no CUDA graph: {type(exc).__name__}")
+        torch.cuda.synchronize()
+    try:
+        cold = triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
+    except Exception as exc:
+        cold = None
+        notes.append(f"do_bench failed: {type(exc).__name__}")
+    return Timing(gpu_us=gpu, cold_us=cold, host_us=host_us_per_call(fn, host_calls), note="; ".join(notes))
+
+
+def host_us_per_call(fn: Callable[[], object], calls: int) -> float:
+    """Median over 3 loops of host µs per call, calls issued back to back (the GPU queue absorbs the work)."""
+    torch.cuda.synchronize()
+    loops = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        loops.append((time.perf_counter() - t0) * 1e6 / calls)
+        torch.cuda.synchronize()
+    return statistics.median(loops)
+
+
+def triton_registers(jit_functions: list) -> tuple[int | None, int | None]:
+    """Registers per thread and spills of the compiled variants of Triton kernels (max over specialisations)."""
+    regs, spills = [], []
+    for fn in jit_functions:
+        for cache in getattr(fn, "device_caches", {}).values():
+            kernel_cache = cache[0] if isinstance(cache, tuple) else {}
+            for compiled in kernel_cache.values():
+                try:
+                    compiled._init_handles()
+                    regs.append(int(compiled.n_regs))
+                    spills.append(int(compiled.n_spills))
+                except Exception:
+                    continue
+    return (max(regs) if regs else None, max(spills) if spills else None)
