@@ -12,9 +12,13 @@ $(BIN)/fusionscope: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	@# Without a GPU, install the CPU torch build first: an unpinned torch pulls a multi-GB CUDA build.
 	command -v nvidia-smi >/dev/null 2>&1 || $(BIN)/pip install -q torch==2.13.0
-	@# HTA declares jupyterlab and pytest as dependencies; it needs neither. psutil, which it imports, is ours.
-	$(BIN)/pip install -q --no-deps holistictraceanalysis==0.5.0
-	$(BIN)/pip install -q -e '.[test]'
+	@# HTA declares jupyterlab and pytest as dependencies (~80 packages); it needs neither, so it goes in without
+	@# them and fusionscope's own requirements are read from pyproject.toml (psutil, which HTA imports, is ours).
+	$(BIN)/pip install -q --no-deps holistictraceanalysis==0.5.0 -e .
+	$(BIN)/python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+	print('\n'.join([r for r in p['dependencies'] if not r.startswith('holistic')] + p['optional-dependencies']['test']))" \
+	  > $(VENV)/requirements-lean.txt
+	$(BIN)/pip install -q -r $(VENV)/requirements-lean.txt
 	touch $@
 
 setup: $(BIN)/fusionscope ## create .venv with fusionscope and its test tools
