@@ -15,7 +15,7 @@ import pandas as pd
 from fusionscope import roofline
 from fusionscope.trace import Timeline
 
-HOST_BOUND_BELOW = 0.5  # GPU busy under half of a step's wall time: the host, not the GPU, sets the pace
+HOST_BOUND_BELOW = 0.5  # GPU busy under half of a step's (unprofiled) wall time: the host sets the pace
 TOP_KERNELS = 15
 CLASSES = ("compute", "memory", "latency", "unmodeled")
 
@@ -158,12 +158,19 @@ def summarize_phases(
                 dtype=float,
             ).reindex(wall_us.index, fill_value=0.0)
             count = per_step.size().reindex(wall_us.index, fill_value=0)
-            frac = float((busy / wall_us).median())
+            # The profiler (shapes, module ranges) slows the host, not the kernels: judge the regime and the host
+            # cost per kernel against the unprofiled step when there is one (2.4x faster on the H200 for 8B decode).
+            real_wall_us = (
+                1e3 * summary["wall_ms_per_step_unprofiled"]
+                if summary["wall_ms_per_step_unprofiled"]
+                else float(wall_us.median())
+            )
+            frac = float(busy.median() / real_wall_us)
             summary.update(
                 gpu_busy_ms_per_step=float(busy.median() / 1e3),
                 gpu_busy_frac=frac,
                 kernels_per_step=float(count.median()),
-                host_us_per_kernel=float((wall_us / count.replace(0, np.nan)).median()),
+                host_us_per_kernel=float(real_wall_us / count.median()) if count.median() else None,
                 regime="host-bound" if frac < HOST_BOUND_BELOW else "gpu-bound",
             )
         by_class = ks.groupby("bound")["dur_us"].sum() / max(n_steps, 1)

@@ -17,7 +17,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -137,7 +137,7 @@ def get_ceilings(device: torch.device, remeasure: bool = False) -> DeviceCeiling
 def measure_ceilings(device: torch.device, versions: dict[str, str] | None = None) -> DeviceCeilings:
     versions = versions or software_versions()
     name = device_name(device)
-    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    now = datetime.now(UTC).isoformat(timespec="seconds")
     if device.type == "cuda":
         return DeviceCeilings(
             kind="cuda",

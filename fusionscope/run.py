@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pandas as pd
@@ -128,7 +128,7 @@ def profile(
         ops_per_step = timeline.ops.groupby("phase").size() / timeline.steps.groupby("phase").size()
         summary = {
             "schema": SCHEMA_VERSION,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "created": datetime.now(UTC).isoformat(timespec="seconds"),
             "command": command_line(),
             "model": model_info,
             "device": {"kind": dev.type, "name": ceilings.name},

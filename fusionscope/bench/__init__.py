@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC
 
 import pandas as pd
 import torch
@@ -111,7 +112,7 @@ def run_bench(
         "device": ceilings.name,
         "versions": software_versions(),
         "roofs": ceilings.to_json(),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "dtype": str(dtype),
     }
     return BenchResult(rows=pd.DataFrame(rows), meta=meta)

@@ -22,6 +22,11 @@ PREFILL_ROWS = (4096, 32768)
 HIDDEN = (4096, 8192)
 INTERMEDIATE = 14336
 VOCAB = 128256
+ROPE_HEADS = (32, 8, 128)  # query heads, KV heads, head dim (Llama-3-8B)
+ROPE_SHAPES = ((1, 1), (16, 1), (64, 1), (1, 4096), (8, 4096))  # (batch, sequence)
+GLU_PREFILL_ROWS = (4096, 16384)
+QKV = (4096, (4096, 1024, 1024), (1, 16, 64, 256))  # hidden, output sizes, rows (Llama-3-8B's q, k, v)
+LINEAR = (4096, 16384)  # hidden → intermediate of a GPT-style MLP
 EPS = 1e-6
 
 
@@ -164,7 +169,7 @@ def _glu_cases(
 
     compiled = _compiled(eager)
     cases = []
-    for rows in (*DECODE_ROWS, 4096, 16384):
+    for rows in (*DECODE_ROWS, *GLU_PREFILL_ROWS):
         variants: dict[str, Callable] = {
             "eager": lambda i: eager(i["g"], i["u"]),
             "compile": lambda i: compiled(i["g"], i["u"]),
@@ -213,9 +218,9 @@ def rope_cases() -> list[Case]:
     mod = kernel_module("rope")
     liger = _liger("rope", "LigerRopeFunction")
     compiled = _compiled(hf_rope)
-    heads, kv_heads, dim = 32, 8, 128
+    heads, kv_heads, dim = ROPE_HEADS
     cases = []
-    for batch, seq in ((1, 1), (16, 1), (64, 1), (1, 4096), (8, 4096)):
+    for batch, seq in ROPE_SHAPES:
         variants: dict[str, Callable] = {
             "eager": lambda i: hf_rope(i["q"], i["k"], i["cos"], i["sin"]),
             "compile": lambda i: compiled(i["q"], i["k"], i["cos"], i["sin"]),
@@ -293,7 +298,7 @@ def bias_gelu_cases() -> list[Case]:
     cases = []
     for phase, rows, hidden in _rows_sweep():
         width = 4 * hidden  # GPT-2-style MLP: the activation runs on the 4×hidden intermediate
-        if rows == 32768:
+        if rows == max(PREFILL_ROWS) and rows > 4096:
             continue  # 32768 × 32768 is 2 GiB per bf16 tensor; the 4096-row case is already memory-bound
         cases.append(
             Case(
@@ -319,8 +324,8 @@ def bias_gelu_cases() -> list[Case]:
 def linear_act_cases() -> list[Case]:
     mod = kernel_module("linear_act")
     cases = []
-    for rows in (*DECODE_ROWS, 4096):
-        hidden, width = 4096, 16384
+    for rows in (*DECODE_ROWS, PREFILL_ROWS[0]):
+        hidden, width = LINEAR
         cases.append(
             Case(
                 "linear_act",
@@ -382,9 +387,9 @@ def sample_cases() -> list[Case]:
 
 def qkv_cases() -> list[Case]:
     mod = kernel_module("horizontal")
-    hidden, sizes = 4096, (4096, 1024, 1024)
+    hidden, sizes, all_rows = QKV
     cases = []
-    for rows in (1, 16, 64, 256):
+    for rows in all_rows:
 
         def build(dev: torch.device, dt: torch.dtype, r: int = rows) -> dict[str, Any]:
             linears = [torch.nn.Linear(hidden, n, bias=False, device=dev, dtype=dt) for n in sizes]

@@ -1,0 +1,202 @@
+"""Residual add fused with LayerNorm, for GPT-2/BERT-style blocks: new_residual = x + residual; out = LN(new_residual).
+
+Why: eager runs the add and the layer norm as two kernels, and the sum makes a round trip through memory between
+them. Fused, one program per row reads x and residual once, writes the new residual (which the next block needs) and
+the normalised row, keeping the sum in registers for the statistics.
+
+Bytes per row of width N in a dtype of size s (weight/bias: N·s_w each, read once and then served from cache):
+  unfused = add (read 2·N·s, write N·s) + layer_norm (read N·s, write N·s; plus 8 bytes of mean/rstd) = 5·N·s
+  fused   = read 2·N·s, write 2·N·s                                                                 = 4·N·s
+For a memory-bound kernel that predicts 5/4 = 1.25x on the pair, and one launch instead of two (which dominates at
+decode, where M is the batch size). Measured on an H200 (bf16, 8192 x 4096, CUDA-graph timing): 68.5 us fused
+(3.9 TB/s) vs 104 us eager, 1.5x; 4 rows: 2.5 us vs 7.7 us of GPU time, but in eager mode the triton_op call costs
+~80 us of host time against ~22 us for eager's two launches, so decode gains only when compiled or graphed.
+
+Numerics, as eager: the sum is rounded to the input dtype (it is the stored residual, and eager's layer_norm reads that
+rounded value); the statistics and the affine transform are computed in fp32 (as `F.layer_norm` does for half types on
+CUDA), and the output is rounded once. Rounding to bf16 uses integer round-to-nearest-even so that Triton's
+interpreter, whose fp32→bf16 cast truncates, gives the GPU's result.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from fusionscope.kernels.dispatch import run
+from torch.library import triton_op, wrap_triton
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_WIDTH = 16384  # one block holds a whole row
+
+
+def add_layer_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager GPT-2/BERT order: (layer_norm(x + residual), x + residual). x, residual: (..., N)."""
+    h = x + residual  # read 2·N·s, write N·s (rounded to the dtype)
+    out = F.layer_norm(h, (h.shape[-1],), weight, bias, eps)  # read N·s (+ weight, bias), write N·s
+    return out, h
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr):
+    """Round fp32 x to `dtype` and back to fp32, round-to-nearest-even (integer path for bf16: the interpreter's
+    fp32→bf16 cast truncates; the GPU's rounds, and this matches it)."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        y = bits.to(tl.float32, bitcast=True)
+    elif dtype == tl.float16:
+        y = x.to(tl.float16).to(tl.float32)
+    else:
+        y = x
+    return y
+
+
+@triton.jit
+def _add_layer_norm_kernel(
+    x_ptr,  # (D0, D1, N) input; strides stride_x0, stride_x1, stride_xn (rows are (i0, i1) pairs)
+    r_ptr,  # (D0, D1, N) residual
+    w_ptr,  # (N,) weight, element stride stride_w (unused when HAS_WEIGHT is False)
+    b_ptr,  # (N,) bias, element stride stride_b (unused when HAS_BIAS is False)
+    o_ptr,  # (D0, D1, N) normalised output (may alias x)
+    ro_ptr,  # (D0, D1, N) new residual x + residual (may alias residual)
+    D1,  # size of the second leading dim: row m is (m // D1, m % D1)
+    N,
+    eps,
+    stride_x0,
+    stride_x1,
+    stride_xn,
+    stride_r0,
+    stride_r1,
+    stride_rn,
+    stride_w,
+    stride_b,
+    stride_o0,
+    stride_o1,
+    stride_on,
+    stride_ro0,
+    stride_ro1,
+    stride_ron,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0)
+    i0 = (row // D1).to(tl.int64)
+    i1 = (row % D1).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    # both loads happen before any store, so the outputs may alias the inputs (in-place update)
+    x = tl.load(x_ptr + i0 * stride_x0 + i1 * stride_x1 + cols * stride_xn, mask=mask).to(tl.float32)
+    r = tl.load(r_ptr + i0 * stride_r0 + i1 * stride_r1 + cols * stride_rn, mask=mask).to(tl.float32)
+    h = _round(x + r, ro_ptr.dtype.element_ty)  # the stored residual, rounded as eager's add rounds it
+    tl.store(ro_ptr + i0 * stride_ro0 + i1 * stride_ro1 + cols * stride_ron, h.to(ro_ptr.dtype.element_ty), mask=mask)
+    mean = tl.sum(h, axis=0) / N
+    d = tl.where(mask, h - mean, 0.0)
+    var = tl.sum(d * d, axis=0) / N
+    y = d * tl.rsqrt((var + eps).to(tl.float32))  # eps may arrive as fp64 (torch.compile passes Python floats so)
+    if HAS_WEIGHT:
+        y = y * tl.load(w_ptr + cols * stride_w, mask=mask).to(tl.float32)
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + cols * stride_b, mask=mask).to(tl.float32)
+    y = _round(y, o_ptr.dtype.element_ty)
+    tl.store(o_ptr + i0 * stride_o0 + i1 * stride_o1 + cols * stride_on, y.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+def _as_3d(t: torch.Tensor) -> torch.Tensor | None:
+    """View t (..., N) as (D0, D1, N) without copying: any layout works for up to 3 dims; more leading dims must be
+    collapsible into the first. None when they are not."""
+    if t.dim() == 1:
+        return t.view(1, 1, -1)
+    if t.dim() == 2:
+        return t.unsqueeze(0)
+    if t.dim() == 3:
+        return t
+    try:
+        return t.view(-1, *t.shape[-2:])
+    except RuntimeError:
+        return None
+
+
+def _num_warps(block_n: int) -> int:
+    return min(max(block_n // 256, 1), 16)
+
+
+def _add_layer_norm_op(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    out: torch.Tensor,
+    residual_out: torch.Tensor,
+) -> None:
+    x3, r3, o3, ro3 = (_as_3d(t) for t in (x, residual, out, residual_out))
+    d0, d1, n = x3.shape
+    block_n = triton.next_power_of_2(n)
+    wrap_triton(_add_layer_norm_kernel)[(d0 * d1,)](
+        x3, r3, weight if weight is not None else x3, bias if bias is not None else x3, o3, ro3,
+        d1, n, eps,
+        *x3.stride(), *r3.stride(),
+        weight.stride(0) if weight is not None else 0, bias.stride(0) if bias is not None else 0,
+        *o3.stride(), *ro3.stride(),
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n, num_warps=_num_warps(block_n),
+    )  # fmt: skip
+
+
+triton_op("fusionscope::add_layer_norm", mutates_args={"out", "residual_out"})(_add_layer_norm_op)
+
+
+def add_layer_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (layer_norm(x + residual) * weight + bias, x + residual) in one launch, one program per row.
+
+    x, residual: (..., N), N <= 16384, fp32/fp16/bf16, same dtype; any strides for up to 3 dims, and for more dims
+    leading dims that collapse into one without a copy (else ValueError). weight, bias: (N,) or None, any float dtype.
+    out: optional (out, new_residual) buffers shaped like x in x's dtype (same layout rules); they may be x and
+    residual themselves (in-place update). Freshly allocated outputs are contiguous.
+    """
+    if x.shape != residual.shape:
+        raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} must have the same shape")
+    if x.dim() == 0 or x.numel() == 0:
+        raise ValueError(f"x must be a non-empty (..., N) tensor; got {tuple(x.shape)}")
+    if x.dtype not in _DTYPES or residual.dtype != x.dtype:
+        raise ValueError(f"x and residual must share one of fp32/fp16/bf16; got {x.dtype} and {residual.dtype}")
+    n = x.shape[-1]
+    if n > MAX_WIDTH:
+        raise ValueError(f"width N = {n} exceeds {MAX_WIDTH}, the widest row one block holds")
+    for name, t in (("residual", residual), ("weight", weight), ("bias", bias)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x on {x.device}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and (t.shape != (n,) or not t.dtype.is_floating_point):
+            raise ValueError(f"{name} must be a floating ({n},) tensor; got {tuple(t.shape)} {t.dtype}")
+    if out is None:
+        out = (
+            torch.empty(x.shape, dtype=x.dtype, device=x.device),
+            torch.empty(x.shape, dtype=x.dtype, device=x.device),
+        )
+    if len(out) != 2:
+        raise ValueError("out must be a tuple (out, new_residual)")
+    for name, t in (("out[0]", out[0]), ("out[1]", out[1])):
+        if t.shape != x.shape or t.dtype != x.dtype or t.device != x.device:
+            raise ValueError(
+                f"{name} must be {tuple(x.shape)} {x.dtype} on {x.device}; got {tuple(t.shape)} {t.dtype} on {t.device}"
+            )
+    for name, t in (("x", x), ("residual", residual), ("out[0]", out[0]), ("out[1]", out[1])):
+        if _as_3d(t) is None:
+            raise ValueError(
+                f"{name} {tuple(t.shape)} with strides {t.stride()}: its leading dims cannot be viewed as one without "
+                "a copy; pass a tensor of at most 3 dims or one whose leading dims collapse"
+            )
+    run("add_layer_norm", _add_layer_norm_op, x, residual, weight, bias, float(eps), out[0], out[1])
+    return out[0], out[1]

@@ -1,0 +1,457 @@
+"""Sampling pipeline: temperature → top-k → top-p → draw, in one launch with one program per block of rows.
+
+Hugging Face's `generate()` runs this as a chain of about a dozen kernels per step: upcast the last position's logits
+to fp32, divide by the temperature, `topk` + compare + `masked_fill`, `sort` + `softmax` + `cumsum` + compare +
+`scatter` + `masked_fill`, `softmax`, `multinomial`. Every one of them reads or writes a full (B, V) fp32 tensor.
+
+Bytes moved per row of width V, logits in a dtype of size s (the HF chain, counted line by line in
+`kept_scores_reference`):
+    unfused ≈ V·s + 4V (upcast) + 8V (temperature) + 18V (top-k) + 56V (top-p) + 8V (softmax) + 4V (multinomial)
+            = (s + 98)·V bytes, in ~13 launches
+    fused   = V·s from DRAM + 8 bytes written (the token id), in 1 launch: ≈ 50× fewer DRAM bytes in bf16.
+The fused kernel reads its row ~25 times (1 pass for the max, ≤ 11 per threshold search, 1 for Z, 1 for the draw),
+but a row is at most a few hundred KiB (V = 128256 in bf16: 250 KiB) and stays in L2, so DRAM sees it once. The price
+is latency: one program walks one row in 4096-wide chunks, so a row costs the same however small the batch is.
+Measured on an H200 (torch 2.11, triton 3.6; bf16, V = 128256, temperature 0.7, top_k 50, top_p 0.9; GPU time from
+CUDA-graph replay, the seed draw included): B = 1: 744 µs fused vs 320 µs for the HF chain (the fused kernel LOSES:
+one SM does all the work); B = 64: 777 vs 1312 µs (1.7×); B = 256: 1540 vs 4178 µs (2.7×). top_p alone: 497 µs at
+B = 1; greedy (top_k = 1): 14 µs (torch.argmax: 26 µs). Plain bisection (SPLITS = 1) took 1220 µs at B = 1; wider
+tiles (8192) or SPLITS = 16 spill registers and ran 3–5× slower. Small batches need a multi-program-per-row variant
+(a grid-wide reduction per pass), which this single-launch design does not have.
+
+How the kernel avoids a sort. Every fp32 value maps to an int32 key that orders like the value (flip the magnitude
+bits of negatives). With s = logits / T:
+- top-k threshold: the k-th largest s is the largest key t with count(key ≥ t) ≥ k, found by a search over the key
+  range [min key, max key] of the row: each pass counts at SPLITS = 8 thresholds at once and keeps the one interval
+  of 9 that holds the answer (≤ 11 passes for 2³² keys). Tokens with s ≥ that value are kept — exactly HF's
+  `scores < topk(scores, k)[-1]` removal, ties at the k-th value included.
+- top-p threshold: HF keeps a token when the ascending cumulative probability up to and including it exceeds 1 − p,
+  i.e. when the probability mass of the tokens strictly above it is < p. That mass, F(t) = Σ_{key > t} exp(s − max),
+  is non-increasing in t, so the kept set is {key ≥ t*} with t* the smallest key where F(t) < p·Z
+  (Z = Σ over the top-k-kept tokens of exp(s − max)); the same 9-way search, summing instead of counting. The max is
+  always kept (F = 0 there), which is HF's `min_tokens_to_keep = 1`.
+- Up to ties at the cut-off: where HF's sort splits a group of equal values at the top-p boundary, the kernel keeps
+  the whole group; fp32 sums in a different order can also move a token whose cumulative probability is within
+  ~1e-6 of 1 − p.
+
+The draw, and why it has the right distribution. With E_i ~ Exp(1) independent, the exponential race
+argmax_i p_i / E_i returns i with probability p_i / Σ_j p_j: E_i / p_i ~ Exp(p_i), and the minimum of independent
+exponentials is attained at i with probability rate_i / Σ rates. Taking logs, the kernel computes
+argmax over the kept set of (s_i − log E_i) (the Gumbel-max trick, −log E being a standard Gumbel variable); the
+softmax normaliser is a common factor, so this is a draw from softmax(s) restricted to the kept set and renormalised —
+the distribution HF's `multinomial` samples. E_i = −log(1 − U_i) with U_i from Philox (`tl.rand(seed, row·V + col)`),
+computed with a series near 0 so that small E (the likely winners) keep full relative precision. The seed is drawn on
+the device from `generator` (or the default generator), so the same generator state gives the same tokens, whatever
+the block sizes.
+
+Scores are s = logits / T computed as torch computes them on each device, so that thresholds see the same fp32 values:
+on CUDA torch multiplies by the fp32 reciprocal of T (checked bit-exact on the H200, torch 2.11), on the CPU it divides
+(correctly rounded). On the H200 the kept sets matched HF's at V = 128256 and 152064, fp32 and bf16, up to ties.
+
+top_k = 1 is greedy decoding: the kernel returns the exact argmax of the logits (ties → lowest index, like
+`torch.argmax`), not a random pick among tied maxima. NaN logits are not supported (HF's chain fails on them too).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Launch parameters on the GPU: chunk width, warps for a one-row program, thresholds per search pass (SPLITS = 8 cuts
+# the 2³² key range in ≤ 11 passes instead of 32). Module-level so that a benchmark can sweep them.
+GPU_CONFIG: dict[str, int] = {"BLOCK_V": 4096, "num_warps": 16, "SPLITS": 8}
+_INTERPRETER_SPLITS = 8
+
+
+def kept_scores_reference(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """HF's warper chain (Temperature → TopK → TopP, `min_tokens_to_keep=1`) on `logits: (B, V)`: fp32 scores, -inf
+    where a token is removed. Per row of width V in dtype size s; reads and writes below are bytes."""
+    scores = logits.to(torch.float32)  # read V·s, write 4V (generate() upcasts the last position's logits)
+    if temperature != 1.0:
+        scores = scores / temperature  # read 4V, write 4V
+    if top_k != 0:
+        k = min(top_k, scores.size(-1))
+        kth = torch.topk(scores, k)[0][..., -1, None]  # read 4V, write 12k
+        remove = scores < kth  # read 4V, write V
+        scores = scores.masked_fill(remove, -math.inf)  # read 5V, write 4V
+    if top_p < 1.0:
+        sorted_scores, sorted_indices = torch.sort(scores, descending=False)  # read 4V, write 12V
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)  # read 4V, write 4V; read 4V, write 4V
+        sorted_remove = cumulative <= (1 - top_p)  # read 4V, write V
+        sorted_remove[..., -1:] = False  # write 1 (min_tokens_to_keep = 1)
+        remove = sorted_remove.scatter(1, sorted_indices, sorted_remove)  # read 9V, write V
+        scores = scores.masked_fill(remove, -math.inf)  # read 5V, write 4V
+    return scores
+
+
+def kept_probs_reference(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The distribution HF samples from: softmax of the kept scores, `(B, V)` fp32, 0 where a token is removed."""
+    scores = kept_scores_reference(logits, temperature, top_k, top_p)
+    return scores.softmax(dim=-1)  # read 4V, write 4V
+
+
+def sample_reference(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """HF's sampling step on `logits: (B, V)`: returns (tokens (B,) int64, kept (B, V) bool, probs (B, V) fp32)."""
+    scores = kept_scores_reference(logits, temperature, top_k, top_p)
+    probs = scores.softmax(dim=-1)  # read 4V, write 4V
+    tokens = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)  # read 4V, write 8
+    return tokens, scores != -math.inf, probs
+
+
+@triton.jit
+def _n_passes(n, ways):
+    """Passes of a `ways`-ary search that shrink a range of n ≥ 1 to 1 (n → ⌈n / ways⌉ per pass); n: int64 scalar."""
+    passes = 0
+    while n > 1:
+        n = (n + ways - 1) // ways
+        passes += 1
+    return passes
+
+
+@triton.jit
+def _sample_kernel(
+    logits_ptr,  # (B, V) logits, fp32/fp16/bf16; row stride stride_b, element stride stride_v (any, even 0)
+    seed_ptr,  # (1,) int64: Philox seed for this call, drawn from the generator on the device
+    out_ptr,  # (B,) int64 token ids, element stride stride_out
+    probs_ptr,  # (B, V) fp32 kept-and-renormalised probabilities, strides stride_pb/stride_pv; only if WRITE_PROBS
+    B,
+    V,
+    stride_b,
+    stride_v,
+    stride_out,
+    stride_pb,
+    stride_pv,
+    temperature,  # fp32 T
+    inv_temperature,  # fp32 1/T as torch's CUDA division computes it
+    top_k,  # 1 < top_k < V when HAS_TOP_K
+    top_p,  # 0 < top_p < 1 when HAS_TOP_P
+    HAS_TOP_K: tl.constexpr,
+    HAS_TOP_P: tl.constexpr,
+    GREEDY: tl.constexpr,  # top_k == 1: the token is the exact argmax of the logits
+    WRITE_PROBS: tl.constexpr,
+    RECIPROCAL: tl.constexpr,
+    SPLITS: tl.constexpr,  # thresholds per search pass (a power of two): a pass cuts the range into SPLITS + 1
+    BLOCK_B: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_B + tl.arange(0, BLOCK_B)
+    row_mask = rows < B
+    lanes = tl.arange(0, BLOCK_V)
+    row_ptrs = logits_ptr + rows[:, None].to(tl.int64) * stride_b
+    NEED_KEPT: tl.constexpr = (not GREEDY) or WRITE_PROBS
+    token = tl.zeros((BLOCK_B,), dtype=tl.int64)
+
+    if GREEDY:
+        # Exact argmax of the logits, ties → lowest index: each lane keeps its first maximum, then the lowest index
+        # among the lanes that hold the row maximum.
+        best = tl.full((BLOCK_B, BLOCK_V), -float("inf"), tl.float32)
+        best_idx = tl.full((BLOCK_B, BLOCK_V), 2**31 - 1, tl.int32)
+        for start in range(0, V, BLOCK_V):
+            cols = start + lanes
+            valid = row_mask[:, None] & (cols[None, :] < V)
+            x = tl.load(row_ptrs + cols[None, :] * stride_v, mask=valid, other=-float("inf")).to(tl.float32)
+            better = valid & ((x > best) | (best_idx == 2**31 - 1))
+            best = tl.where(better, x, best)
+            best_idx = tl.where(better, cols[None, :], best_idx)
+        row_best = tl.max(best, axis=1)
+        token = tl.min(tl.where(best == row_best[:, None], best_idx, 2**31 - 1), axis=1).to(tl.int64)
+
+    if NEED_KEPT:
+        # Every pass below reloads its chunk and recomputes s and its key in the same seven lines: a @triton.jit helper
+        # would say it once, but costs ~3.5 ms a call under the interpreter, i.e. seconds per test.
+        # Pass 1: row maximum of s (the softmax shift) and the key range.
+        acc_max = tl.full((BLOCK_B, BLOCK_V), -float("inf"), tl.float32)
+        acc_kmin = tl.full((BLOCK_B, BLOCK_V), 2**31 - 1, tl.int32)
+        acc_kmax = tl.full((BLOCK_B, BLOCK_V), -(2**31), tl.int32)
+        for start in range(0, V, BLOCK_V):
+            cols = start + lanes
+            valid = row_mask[:, None] & (cols[None, :] < V)
+            x = tl.load(row_ptrs + cols[None, :] * stride_v, mask=valid, other=0.0).to(tl.float32)
+            s = x * inv_temperature if RECIPROCAL else tl.math.div_rn(x, temperature)
+            s = tl.where(s == 0.0, 0.0, s)
+            bits = s.to(tl.int32, bitcast=True)
+            key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+            acc_max = tl.maximum(acc_max, tl.where(valid, s, -float("inf")))
+            acc_kmin = tl.minimum(acc_kmin, tl.where(valid, key, 2**31 - 1))
+            acc_kmax = tl.maximum(acc_kmax, tl.where(valid, key, -(2**31)))
+        row_max = tl.max(acc_max, axis=1)
+        kmin = tl.min(acc_kmin, axis=1).to(tl.int64)
+        kmax = tl.max(acc_kmax, axis=1).to(tl.int64)
+        kmax = tl.where(row_mask, kmax, kmin)  # padding rows: an empty range
+        threshold = kmin  # kept: key >= threshold
+
+        js = (tl.arange(0, SPLITS) + 1).to(tl.int64)  # the SPLITS thresholds of one pass, j = 1..SPLITS
+        if HAS_TOP_K:
+            # Largest key t with count(key >= t) >= k. Invariant: count(lo) >= k, count(hi + 1) < k. Each pass
+            # counts at SPLITS thresholds at once and keeps the one interval of SPLITS + 1 that holds the answer.
+            lo = kmin
+            hi = kmax
+            for _ in range(_n_passes(tl.max(hi - lo + 1, axis=0), SPLITS + 1)):
+                step = (hi - lo + 1 + SPLITS) // (SPLITS + 1)
+                t = tl.minimum(lo[:, None] + js[None, :] * step[:, None], hi[:, None]).to(tl.int32)
+                acc_cnt = tl.zeros((BLOCK_B, SPLITS, BLOCK_V), dtype=tl.int32)
+                for start in range(0, V, BLOCK_V):
+                    cols = start + lanes
+                    valid = row_mask[:, None] & (cols[None, :] < V)
+                    x = tl.load(row_ptrs + cols[None, :] * stride_v, mask=valid, other=0.0).to(tl.float32)
+                    s = x * inv_temperature if RECIPROCAL else tl.math.div_rn(x, temperature)
+                    s = tl.where(s == 0.0, 0.0, s)
+                    bits = s.to(tl.int32, bitcast=True)
+                    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+                    acc_cnt += ((key[:, None, :] >= t[:, :, None]) & valid[:, None, :]).to(tl.int32)
+                below = tl.sum((tl.sum(acc_cnt, axis=2) >= top_k).to(tl.int64), axis=1)  # thresholds still >= k
+                new_lo = tl.minimum(lo + below * step, hi)
+                hi = tl.where(below < SPLITS, tl.minimum(lo + (below + 1) * step - 1, hi), hi)
+                lo = new_lo
+            threshold = lo
+
+        if HAS_TOP_P:
+            # Z: the softmax normaliser over the top-k-kept tokens.
+            acc_z = tl.zeros((BLOCK_B, BLOCK_V), dtype=tl.float32)
+            for start in range(0, V, BLOCK_V):
+                cols = start + lanes
+                valid = row_mask[:, None] & (cols[None, :] < V)
+                x = tl.load(row_ptrs + cols[None, :] * stride_v, mask=valid, other=0.0).to(tl.float32)
+                s = x * inv_temperature if RECIPROCAL else tl.math.div_rn(x, temperature)
+                s = tl.where(s == 0.0, 0.0, s)
+                bits = s.to(tl.int32, bitcast=True)
+                key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+                keep = valid & (key >= threshold[:, None].to(tl.int32))
+                acc_z += tl.where(keep, tl.exp(s - row_max[:, None]), 0.0)
+            target = top_p * tl.sum(acc_z, axis=1)
+            # Smallest key t with F(t) = Σ_{key > t} exp(s − max) < p·Z. Invariant: F(lo) >= p·Z > F(hi).
+            lo = threshold - 1
+            hi = kmax
+            for _ in range(_n_passes(tl.max(hi - lo, axis=0), SPLITS + 1)):  # until hi − lo = 1
+                step = (hi - lo + SPLITS) // (SPLITS + 1)
+                t = tl.minimum(lo[:, None] + js[None, :] * step[:, None], hi[:, None]).to(tl.int32)
+                acc_mass = tl.zeros((BLOCK_B, SPLITS, BLOCK_V), dtype=tl.float32)
+                for start in range(0, V, BLOCK_V):
+                    cols = start + lanes
+                    valid = row_mask[:, None] & (cols[None, :] < V)
+                    x = tl.load(row_ptrs + cols[None, :] * stride_v, mask=valid, other=0.0).to(tl.float32)
+                    s = x * inv_temperature if RECIPROCAL else tl.math.div_rn(x, temperature)
+                    s = tl.where(s == 0.0, 0.0, s)
+                    bits = s.to(tl.int32, bitcast=True)
+                    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+                    e = tl.where(valid, tl.exp(s - row_max[:, None]), 0.0)
+                    acc_mass += tl.where(key[:, None, :] > t[:, :, None], e[:, None, :], 0.0)
+                heavy = tl.sum((tl.sum(acc_mass, axis=2) >= target[:, None]).to(tl.int64), axis=1)
+                new_lo = lo + heavy * step
+                hi = tl.minimum(lo + (heavy + 1) * step, hi)
+                lo = new_lo
+            threshold = hi
+
+        if not GREEDY:
+            # Exponential race over the kept set: argmax of s − log E, E = −log(1 − U) ~ Exp(1).
+            best = tl.full((BLOCK_B, BLOCK_V), -float("inf"), tl.float32)
+            best_idx = tl.full((BLOCK_B, BLOCK_V), 2**31 - 1, tl.int32)
+            seed = tl.load(seed_ptr)
+            for start in range(0, V, BLOCK_V):
+                cols = start + lanes
+                valid = row_mask[:, None] & (cols[None, :] < V)
+                x = tl.load(row_ptrs + cols[None, :] * stride_v, mask=valid, other=0.0).to(tl.float32)
+                s = x * inv_temperature if RECIPROCAL else tl.math.div_rn(x, temperature)
+                s = tl.where(s == 0.0, 0.0, s)
+                bits = s.to(tl.int32, bitcast=True)
+                key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+                offsets = rows[:, None].to(tl.int64) * V + cols[None, :]
+                u = tl.rand(seed, offsets) + 2.3283064e-10  # (x + ½)·2⁻³¹: never 0, still < 1
+                series = u * (1.0 + u * (0.5 + u * (0.33333334 + u * 0.25)))
+                e = tl.where(u < 0.01, series, -tl.log(1.0 - u))
+                race = tl.where(valid & (key >= threshold[:, None].to(tl.int32)), s - tl.log(e), -float("inf"))
+                better = race > best
+                best = tl.where(better, race, best)
+                best_idx = tl.where(better, cols[None, :], best_idx)
+            row_best = tl.max(best, axis=1)
+            token = tl.min(tl.where(best == row_best[:, None], best_idx, 2**31 - 1), axis=1).to(tl.int64)
+
+        if WRITE_PROBS:
+            acc_z = tl.zeros((BLOCK_B, BLOCK_V), dtype=tl.float32)
+            for start in range(0, V, BLOCK_V):
+                cols = start + lanes
+                valid = row_mask[:, None] & (cols[None, :] < V)
+                x = tl.load(row_ptrs + cols[None, :] * stride_v, mask=valid, other=0.0).to(tl.float32)
+                s = x * inv_temperature if RECIPROCAL else tl.math.div_rn(x, temperature)
+                s = tl.where(s == 0.0, 0.0, s)
+                bits = s.to(tl.int32, bitcast=True)
+                key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+                keep = valid & (key >= threshold[:, None].to(tl.int32))
+                acc_z += tl.where(keep, tl.exp(s - row_max[:, None]), 0.0)
+            z = tl.sum(acc_z, axis=1)
+            for start in range(0, V, BLOCK_V):
+                cols = start + lanes
+                valid = row_mask[:, None] & (cols[None, :] < V)
+                x = tl.load(row_ptrs + cols[None, :] * stride_v, mask=valid, other=0.0).to(tl.float32)
+                s = x * inv_temperature if RECIPROCAL else tl.math.div_rn(x, temperature)
+                s = tl.where(s == 0.0, 0.0, s)
+                bits = s.to(tl.int32, bitcast=True)
+                key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+                keep = valid & (key >= threshold[:, None].to(tl.int32))
+                p = tl.where(keep, tl.exp(s - row_max[:, None]) / z[:, None], 0.0)
+                ptrs = probs_ptr + rows[:, None].to(tl.int64) * stride_pb + cols[None, :].to(tl.int64) * stride_pv
+                tl.store(ptrs, p.to(probs_ptr.dtype.element_ty), mask=valid)
+
+    tl.store(out_ptr + rows.to(tl.int64) * stride_out, token, mask=row_mask)
+
+
+def _launch(
+    logits: torch.Tensor,
+    seed: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    out: torch.Tensor,
+    probs: torch.Tensor | None,
+) -> None:
+    B, V = logits.shape
+    if B == 0:
+        return
+    # One program per block of rows. On the GPU a row of V > 4096 gets one program (a 128k vocabulary is walked in
+    # chunks of BLOCK_V) and small rows share one. Under the interpreter (CPU tensors) a program costs per operation,
+    # not per element (~0.1 ms an op, ~3.5 ms a call of a jit helper such as tl.sum), so tiles there are as large as
+    # numpy handles well: up to 8192 columns and 65536 elements, many rows per program. Block sizes change neither the
+    # distribution nor the random numbers (indexed by row·V + col), only the fp32 summation order of Z.
+    if logits.device.type == "cuda":
+        BLOCK_V = min(triton.next_power_of_2(V), GPU_CONFIG["BLOCK_V"])
+        BLOCK_B = max(1, min(triton.next_power_of_2(B), GPU_CONFIG["BLOCK_V"] // BLOCK_V))
+        num_warps = GPU_CONFIG["num_warps"] if BLOCK_B * BLOCK_V >= 2048 else 4
+    else:
+        BLOCK_V = min(triton.next_power_of_2(V), 8192)
+        BLOCK_B = max(1, min(triton.next_power_of_2(B), 65536 // BLOCK_V))
+        num_warps = 4
+    greedy = top_k == 1
+    write_probs = probs is not None
+    probs_arg = probs if write_probs else out
+    stride_pb, stride_pv = probs.stride() if write_probs else (0, 0)
+    t32 = np.float32(temperature)
+    inv_t32 = float(np.float32(1.0) / t32)  # fp32 reciprocal, as torch's CUDA `scores / T` computes it
+    grid = (triton.cdiv(B, BLOCK_B),)
+    wrap_triton(_sample_kernel)[grid](
+        logits,
+        seed,
+        out,
+        probs_arg,
+        B,
+        V,
+        logits.stride(0),
+        logits.stride(1),
+        out.stride(0),
+        stride_pb,
+        stride_pv,
+        float(t32),
+        inv_t32,
+        max(top_k, 1),
+        top_p,
+        HAS_TOP_K=1 <= top_k < V,
+        HAS_TOP_P=top_p < 1.0,
+        GREEDY=greedy,
+        WRITE_PROBS=write_probs,
+        RECIPROCAL=logits.device.type == "cuda",
+        SPLITS=GPU_CONFIG["SPLITS"] if logits.device.type == "cuda" else _INTERPRETER_SPLITS,
+        BLOCK_B=BLOCK_B,
+        BLOCK_V=BLOCK_V,
+        num_warps=num_warps,
+    )
+
+
+@triton_op("fusionscope::sample", mutates_args={"out", "probs"})
+def _sample_op(
+    logits: torch.Tensor,
+    seed: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    out: torch.Tensor,
+    probs: torch.Tensor | None,
+) -> None:
+    _launch(logits, seed, temperature, top_k, top_p, out, probs)
+
+
+def _check_args(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> None:
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ValueError(f"logits must be a (B, V) tensor, got {shape}")
+    if logits.dtype not in _DTYPES:
+        raise ValueError(f"logits must be fp32, fp16 or bf16, got {logits.dtype}")
+    if logits.size(1) == 0:
+        raise ValueError("logits must have at least one column (V >= 1)")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise ValueError(f"temperature must be a float, got {type(temperature).__name__}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite float > 0, got {temperature}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0 (0 disables it), got {top_k!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not (0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must be a float in (0, 1] (1.0 disables it), got {top_p!r}")
+
+
+def _draw_seed(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """One int64 Philox seed from `generator` (or the default generator of `device`), left on `device`: no host
+    sync, and the same generator state gives the same seed."""
+    gen_device = generator.device if generator is not None else device
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, generator=generator, device=gen_device)
+    return seed.to(device, non_blocking=True)
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    generator: torch.Generator | None = None,
+    out: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+    return_probs: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row from HF's Temperature → TopK → TopP distribution, in one launch.
+
+    logits: (B, V), fp32/fp16/bf16, any strides. temperature > 0; top_k >= 0 (0 disables; 1 is greedy: exact argmax,
+    ties → lowest index); top_p in (0, 1] (1.0 disables). generator: a torch.Generator (any device) or None for the
+    default generator of logits' device; one int64 seed is drawn from it per call.
+    Returns token ids (B,) int64. With `return_probs=True` also returns the kept-and-renormalised probabilities
+    (B, V) fp32 (0 where removed), computed by the same kernel: a debugging path (two more passes and a write).
+    out: a (B,) int64 buffer, or (tokens, probs) buffers when return_probs.
+    """
+    _check_args(logits, temperature, top_k, top_p)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    B, V = logits.shape
+    if return_probs:
+        if out is None:
+            out = (None, None)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise ValueError("with return_probs=True, out must be a (tokens, probs) tuple")
+        tokens, probs = out
+        if probs is None:
+            probs = torch.empty((B, V), dtype=torch.float32, device=logits.device)
+        elif probs.shape != (B, V) or probs.dtype != torch.float32 or probs.device != logits.device:
+            raise ValueError(
+                f"probs out must be ({B}, {V}) fp32 on {logits.device}, got {tuple(probs.shape)} "
+                f"{probs.dtype} on {probs.device}"
+            )
+    else:
+        if isinstance(out, tuple):
+            raise ValueError("out must be a tensor unless return_probs=True")
+        tokens, probs = out, None
+    if tokens is None:
+        tokens = torch.empty((B,), dtype=torch.int64, device=logits.device)
+    elif tokens.shape != (B,) or tokens.dtype != torch.int64 or tokens.device != logits.device:
+        raise ValueError(
+            f"out must be ({B},) int64 on {logits.device}, got {tuple(tokens.shape)} {tokens.dtype} on {tokens.device}"
+        )
+    seed = _draw_seed(generator, logits.device)
+    torch.ops.fusionscope.sample(logits, seed, float(temperature), int(top_k), float(top_p), tokens, probs)
+    return (tokens, probs) if return_probs else tokens

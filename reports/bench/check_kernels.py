@@ -1,0 +1,116 @@
+"""GPU-only checks of the bundled kernels, run on the H200 by reports/bench/gpu_kernels.sh.
+
+For each kernel, on one decode and one prefill shape of its bench cases (bf16):
+- launches per call: kernels the profiler sees for one eager call (expected: 1; `sample` may use 2);
+- no hidden copy: no memcpy and no copy/cast kernel besides ours for contiguous inputs;
+- `fusionscope::<op>` appears in the graph torch.compile(fullgraph=True) traces, and the compiled call equals eager;
+- CUDA-graph replay equals eager.
+Writes a JSON list of results to the path given as the first argument and exits non-zero if any check fails.
+(torch.compile cannot run these kernels on a CPU, which is why these checks live here and not in the CPU suite.)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from fusionscope.bench.cases import CASES
+
+MAX_LAUNCHES = {"sample": 2}
+OP_NAMES = {"qkv": None, "linear_act": "linear_act"}  # qkv is one cuBLAS GEMM: no custom op to find
+
+
+def launches(fn) -> tuple[int, list[str]]:
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return len(names), names
+
+
+def compiled_ops(fn) -> tuple[set[str], object]:
+    seen: set[str] = set()
+
+    def backend(gm: torch.fx.GraphModule, _inputs):
+        seen.update(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, fullgraph=True, backend=backend)()
+    return seen, out
+
+
+def same(a, b) -> bool:
+    a = a if isinstance(a, (tuple, list)) else (a,)
+    b = b if isinstance(b, (tuple, list)) else (b,)
+    return all(torch.equal(x, y) for x, y in zip(a, b) if isinstance(x, torch.Tensor))
+
+
+def graph_replay(fn):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return static_out
+
+
+def main(path: str) -> int:
+    results, failed = [], 0
+    for name, make_cases in CASES.items():
+        cases = make_cases()
+        picked = [cases[0], *[c for c in cases if c.phase != cases[0].phase][:1]]
+        for case in picked:
+            inputs = case.build(torch.device("cuda"), torch.bfloat16)
+            if name == "sample":  # deterministic form for equality checks: top_k=1 is argmax
+                from fusionscope.kernels.sample import sample
+
+                def fn(i=inputs):
+                    return sample(i["logits"], 1.0, 1, 1.0)
+            else:
+
+                def fn(f=case.variants["fusionscope"], i=inputs):
+                    return f(i)
+
+            eager = fn()
+            row = {"kernel": name, "case": case.label}
+            try:
+                row["launches"], row["kernel_names"] = launches(fn)
+                copies = [k for k in row["kernel_names"] if "copy" in k.lower() or "Memcpy" in k]
+                row["hidden_copies"] = len(copies)
+                row["launch_ok"] = row["launches"] <= MAX_LAUNCHES.get(name, 1) and not copies
+                op = OP_NAMES.get(name, name)
+                ops, compiled_out = compiled_ops(fn)
+                row["compiled_graph_ops"] = sorted(o for o in ops if "fusionscope" in o)
+                row["op_in_compiled_graph"] = op is None or any(f"fusionscope.{op}" in o for o in ops)
+                row["compiled_equals_eager"] = same(compiled_out, eager)
+                row["cuda_graph_equals_eager"] = same(graph_replay(fn), eager)
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            ok = all(
+                row.get(k, False)
+                for k in ("launch_ok", "op_in_compiled_graph", "compiled_equals_eager", "cuda_graph_equals_eager")
+            )
+            row["ok"] = ok
+            failed += not ok
+            results.append(row)
+            print(("PASS " if ok else "FAIL ") + json.dumps(row), flush=True)
+            del inputs
+            torch.cuda.empty_cache()
+    with open(path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}, f, indent=1)
+    print(f"{len(results) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

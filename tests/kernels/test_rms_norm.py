@@ -1,0 +1,191 @@
+"""fusionscope::rms_norm against its fp64 reference and against Hugging Face's LlamaRMSNorm / Gemma2RMSNorm modules."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from fusionscope.kernels.rms_norm import rms_norm, rms_norm_reference
+from fusionscope.kernels.tolerances import assert_close
+from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from tests.kernels.conftest import device, poisoned, randn
+
+EPS = 1e-6
+SHAPES = [(1, 123), (3, 1000), (17, 4097)]  # rows 1, 3, 17; odd and non-power-of-two widths
+OFFSETS = pytest.mark.parametrize("offset", [0.0, 1.0], ids=["llama", "gemma"])
+
+
+def _ids(shape: tuple[int, ...]) -> str:
+    return "x".join(map(str, shape))
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in units in the last place between two tensors of one float dtype (+0 and -0 are one point)."""
+    bits = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[a.dtype]
+    magnitude = 2 ** (8 * a.element_size() - 1) - 1
+
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        i = t.contiguous().view(bits).to(torch.int64)
+        return torch.where(i < 0, -(i & magnitude), i)
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+def check(x: torch.Tensor, w: torch.Tensor, offset: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Run the kernel (into `out` if given) and compare it with the reference computed in fp64 from the same inputs."""
+    y = rms_norm(x, w, EPS, offset, out=out)
+    if out is not None:
+        assert y is out
+    expected = rms_norm_reference(x.double(), w.double(), EPS, offset)
+    assert y.dtype == (torch.promote_types(x.dtype, w.dtype) if offset == 0.0 else x.dtype)
+    assert_close(y, expected, x.dtype)
+    return y
+
+
+@OFFSETS
+@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+def test_matches_fp64_reference(shape: tuple[int, int], dtype: torch.dtype, offset: float) -> None:
+    check(randn(*shape, dtype=dtype), randn(shape[-1], dtype=dtype), offset)
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "offset"),
+    [
+        ((1, 5120), torch.bfloat16, 0.0),
+        ((1, 14336), torch.float32, 1.0),
+        ((2, 20000), torch.float32, 0.0),  # > 16384: the two-pass chunked loop
+        ((1, 20000), torch.bfloat16, 1.0),
+    ],
+    ids=["5120-bf16", "14336-fp32", "20000-fp32-chunked", "20000-bf16-chunked"],
+)
+def test_wide_rows_strided_into_poisoned_out(shape: tuple[int, int], dtype: torch.dtype, offset: float) -> None:
+    x = randn(*shape, dtype=dtype, strided=True)
+    check(x, randn(shape[-1], dtype=dtype), offset, out=poisoned(shape, dtype))
+
+
+@OFFSETS
+def test_leading_dims_strided_into_poisoned_out(dtype: torch.dtype, offset: float) -> None:
+    """x (2, 3, N) with a last-dim stride of 2, a strided weight, and a NaN-filled out that must be fully written."""
+    x = randn(2, 3, 1000, dtype=dtype, strided=True)
+    w = randn(1000, dtype=dtype, strided=True)
+    check(x, w, offset, out=poisoned(x.shape, dtype))
+
+
+B, S, H, HK, D = 2, 3, 4, 2, 128  # Qwen3-style per-head q/k norm over D
+
+
+def _qwen3_q(layout: str, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    if layout == "contiguous":  # HF Qwen3: q_proj(h).view(B, S, H, D), normed before the transpose
+        return randn(B, S, H, D, dtype=dtype, seed=seed)
+    if layout == "qkv_slice":  # q as a view into a fused qkv projection: two row dims, no copy
+        return randn(B, S, (H + 2 * HK) * D, dtype=dtype, seed=seed)[..., : H * D].view(B, S, H, D)
+    return randn(B, S, H, D, dtype=dtype, seed=seed).transpose(1, 2)  # (B, H, S, D): three row dims
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "qkv_slice", "transposed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_qwen3_head_norm(layout: str, dtype: torch.dtype) -> None:
+    q = _qwen3_q(layout, dtype)
+    if layout == "contiguous":
+        assert q.is_contiguous()
+    else:
+        assert not q.is_contiguous()
+    out = None
+    if layout == "qkv_slice":  # write into a strided slice of a poisoned fused buffer too
+        buf = poisoned((B, S, (H + 2 * HK) * D), dtype)
+        out = buf[..., : H * D].view(B, S, H, D)
+    y = check(q, randn(D, dtype=dtype), 0.0, out=out)
+    if layout == "qkv_slice":
+        assert buf[..., H * D :].isnan().all(), "wrote outside the out view"
+    hf = LlamaRMSNorm(D, eps=EPS).to(device=device(), dtype=dtype)  # Qwen3RMSNorm is the same module
+    with torch.no_grad():
+        hf.weight.copy_(randn(D, dtype=dtype, seed=1))
+        assert_matches_hf(rms_norm(q, hf.weight, EPS), hf(q))
+    assert y.shape == q.shape
+
+
+def assert_matches_hf(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """fp16/bf16: within 1 ulp of the HF module everywhere and bit-exact almost everywhere (a wrong casting order, e.g.
+    one rounding instead of Llama's two, leaves only ~73% of bf16 elements bit-exact). Differences come only from the
+    order of the fp32 sum of squares. fp32: at the dtype tolerance."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    if actual.dtype == torch.float32:
+        assert_close(actual, expected)
+        return
+    d = ulps(actual, expected)
+    assert d.max().item() <= 1, f"{(d > 1).sum().item()} elements differ by more than 1 ulp"
+    assert (d == 0).double().mean().item() >= 0.999
+
+
+@pytest.mark.parametrize("shape", [(3, 1000), (B, S, H, D)], ids=_ids)
+@pytest.mark.parametrize("module", [LlamaRMSNorm, Gemma2RMSNorm], ids=["llama", "gemma2"])
+def test_matches_hf_module(module: type[torch.nn.Module], shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    N = shape[-1]
+    hf = module(N, eps=EPS).to(device=device(), dtype=dtype)
+    x = randn(*shape, dtype=dtype, seed=2)
+    with torch.no_grad():
+        hf.weight.copy_(randn(N, dtype=dtype, seed=3))
+        expected = hf(x)
+    offset = 1.0 if module is Gemma2RMSNorm else 0.0
+    assert_matches_hf(rms_norm(x, hf.weight.detach(), EPS, offset), expected)
+
+
+def test_fp32_weight_on_bf16_input_promotes_like_llama() -> None:
+    """HF's `weight * h.to(x.dtype)` with an fp32 weight returns fp32: x̂ still rounds to bf16 first."""
+    x = randn(3, 1000, dtype=torch.bfloat16, seed=4)
+    hf = LlamaRMSNorm(1000, eps=EPS).to(device())
+    with torch.no_grad():
+        hf.weight.copy_(randn(1000, dtype=torch.float32, seed=5))
+        expected = hf(x)
+    actual = rms_norm(x, hf.weight.detach(), EPS)
+    assert actual.dtype == expected.dtype == torch.float32
+    assert (ulps(actual, expected) <= 1).all()
+
+
+def test_empty_rows() -> None:
+    x = randn(0, 64, dtype=torch.float16)
+    assert rms_norm(x, randn(64, dtype=torch.float16), EPS).shape == (0, 64)
+
+
+def test_more_than_three_unmergeable_row_dims_raise() -> None:
+    x = randn(2, 3, 4, 5, 8, dtype=torch.float32).permute(3, 2, 1, 0, 4)
+    with pytest.raises(ValueError, match="non-mergeable row dims"):
+        rms_norm(x, randn(8, dtype=torch.float32), EPS)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: (randn(3, 100, dtype=torch.float16), randn(99, dtype=torch.float16), None), "weight must have shape"),
+        (lambda: (randn(3, 100, dtype=torch.float16), randn(1, 100, dtype=torch.float16), None), "weight must have"),
+        (
+            lambda: (torch.ones(3, 100, dtype=torch.int32, device=device()), randn(100, dtype=torch.float32), None),
+            "fp32/fp16/bf16",
+        ),
+        (lambda: (torch.tensor(1.0, device=device()), randn(1, dtype=torch.float32), None), "at least one dimension"),
+        (
+            lambda: (
+                randn(3, 100, dtype=torch.float16),
+                randn(100, dtype=torch.float16),
+                poisoned((3, 99), torch.float16),
+            ),
+            "out must be a",
+        ),
+        (
+            lambda: (
+                randn(3, 100, dtype=torch.float16),
+                randn(100, dtype=torch.float16),
+                poisoned((3, 100), torch.float32),
+            ),
+            "out must be a",
+        ),
+    ],
+    ids=["weight-length", "weight-2d", "int-x", "scalar-x", "out-shape", "out-dtype"],
+)
+def test_bad_inputs_raise_value_error(make: Callable[[], tuple], match: str) -> None:
+    x, w, out = make()
+    with pytest.raises(ValueError, match=match):
+        rms_norm(x, w, EPS, out=out)

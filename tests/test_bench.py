@@ -1,0 +1,69 @@
+"""`fusionscope bench` wiring on the CPU: every case builds, its variants agree with the kernel's reference, and the
+command refuses clearly without a GPU. The timings themselves need the H200 (reports/bench/gpu_kernels.sh)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fusionscope.kernels.tolerances import assert_close
+from typer.testing import CliRunner
+
+from fusionscope.bench import cases as bench_cases
+from fusionscope.cli import app
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def small_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shrink the sweep to interpreter sizes: odd, non-power-of-two widths."""
+    for name, value in {
+        "DECODE_ROWS": (1,),
+        "PREFILL_ROWS": (5,),
+        "HIDDEN": (123,),
+        "INTERMEDIATE": 100,
+        "VOCAB": 257,
+        "ROPE_HEADS": (4, 2, 16),
+        "ROPE_SHAPES": ((1, 1), (2, 3)),
+        "GLU_PREFILL_ROWS": (5,),
+        "QKV": (48, (48, 16, 16), (1, 5)),
+        "LINEAR": (40, 72),
+    }.items():
+        monkeypatch.setattr(bench_cases, name, value)
+
+
+@pytest.mark.parametrize("kernel", list(bench_cases.CASES))
+def test_cases_agree_with_the_reference(kernel: str, small_shapes: None) -> None:
+    case = bench_cases.CASES[kernel]()[0]
+    inputs = case.build(torch.device("cpu"), torch.float32)
+    assert case.traffic(inputs) > 0
+    assert {"eager", "fusionscope"} <= set(case.variants)
+    ours = case.variants["fusionscope"](inputs)
+    eager = case.variants["eager"](inputs)
+    if kernel == "sample":
+        assert ours.shape == eager.shape == (inputs["logits"].shape[0],)
+        return
+    ours = ours if isinstance(ours, tuple) else (ours,)
+    eager = eager if isinstance(eager, tuple) else (eager,)
+    expected = case.reference(inputs) if case.reference else eager
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    for got, want, base in zip(ours, expected, eager):
+        assert_close(got, want, torch.float32, scale=10)
+        assert_close(base, want, torch.float32, scale=10)
+
+
+def test_bench_list_needs_no_gpu() -> None:
+    result = runner.invoke(app, ["bench", "--list"])
+    assert result.exit_code == 0, result.output
+    assert "rms_norm" in result.stdout and "bfloat16" in result.stdout and "tolerances" in result.stdout
+
+
+def test_bench_without_cuda_is_a_clear_error() -> None:
+    assert not torch.cuda.is_available(), "this test describes the CPU-only CI machine"
+    result = runner.invoke(app, ["bench", "rms_norm"])
+    assert result.exit_code == 2 and "needs a CUDA GPU" in result.stderr
+
+
+def test_bench_unknown_kernel() -> None:
+    result = runner.invoke(app, ["bench", "--list", "fused_everything"])
+    assert result.exit_code == 2 and "unknown kernel" in result.stderr
