@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC
+from datetime import UTC, datetime
 
 import pandas as pd
 import torch
@@ -106,7 +106,6 @@ def run_bench(
                 )
             del inputs, reference
             torch.cuda.empty_cache()
-    from datetime import datetime, timezone
 
     meta = {
         "device": ceilings.name,
