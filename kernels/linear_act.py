@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from fusionscope.kernels.dispatch import run
 from torch.library import triton_op, wrap_triton
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu", "none")
@@ -225,7 +226,6 @@ def _launch_epilogue(
         torch._addmm_activation(bias, x2d, weight.t(), use_gelu=use_gelu, out=out2d)
 
 
-@triton_op("fusionscope::linear_act", mutates_args={"out"})
 def _linear_act_op(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str, backend: str, out: torch.Tensor
 ) -> None:
@@ -236,6 +236,9 @@ def _linear_act_op(
         _launch_epilogue(x, weight, bias, activation, out)
     else:
         _launch_triton(x, weight, bias, activation, out)
+
+
+triton_op("fusionscope::linear_act", mutates_args={"out"})(_linear_act_op)
 
 
 def linear_act(
@@ -292,5 +295,5 @@ def linear_act(
         reason = _epilogue_applies(x2d, weight, bias, activation, out2d)
         if reason is not None:
             raise ValueError(f"backend='cublaslt' cannot run this call: {reason}")
-    torch.ops.fusionscope.linear_act(x2d, weight, bias, activation, backend, out2d)
+    run("linear_act", _linear_act_op, x2d, weight, bias, activation, backend, out2d)
     return out

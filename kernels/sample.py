@@ -60,6 +60,7 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
+from fusionscope.kernels.dispatch import run
 from torch.library import triton_op, wrap_triton
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -368,7 +369,6 @@ def _launch(
     )
 
 
-@triton_op("fusionscope::sample", mutates_args={"out", "probs"})
 def _sample_op(
     logits: torch.Tensor,
     seed: torch.Tensor,
@@ -379,6 +379,9 @@ def _sample_op(
     probs: torch.Tensor | None,
 ) -> None:
     _launch(logits, seed, temperature, top_k, top_p, out, probs)
+
+
+triton_op("fusionscope::sample", mutates_args={"out", "probs"})(_sample_op)
 
 
 def _check_args(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> None:
@@ -453,5 +456,5 @@ def sample(
             f"out must be ({B},) int64 on {logits.device}, got {tuple(tokens.shape)} {tokens.dtype} on {tokens.device}"
         )
     seed = _draw_seed(generator, logits.device)
-    torch.ops.fusionscope.sample(logits, seed, float(temperature), int(top_k), float(top_p), tokens, probs)
+    run("sample", _sample_op, logits, seed, float(temperature), int(top_k), float(top_p), tokens, probs)
     return (tokens, probs) if return_probs else tokens
