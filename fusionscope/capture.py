@@ -13,7 +13,6 @@ from __future__ import annotations
 import gzip
 import inspect
 import shutil
-import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -183,7 +182,3 @@ def write_rank_trace(src: Path, dst: Path, rank: int) -> None:
         brace = head.index(b"{")
         f_out.write(head[: brace + 1] + b'\n  "distributedInfo": {"rank": %d},' % rank + head[brace + 1 :])
         shutil.copyfileobj(f_in, f_out, 1 << 20)
-
-
-def median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None

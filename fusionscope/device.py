@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
@@ -72,23 +73,17 @@ def device_name(device: torch.device) -> str:
 
 
 def software_versions() -> dict[str, str]:
+    """The versions a measurement depends on; the roofs cache is keyed on them."""
     versions = {"python": platform.python_version(), "torch": torch.__version__}
-    for mod in ("triton", "transformers", "pandas", "hta"):
+    distributions = {"triton": "triton", "transformers": "transformers", "pandas": "pandas",
+                     "hta": "HolisticTraceAnalysis", "fusionscope": "fusionscope"}  # fmt: skip
+    for key, dist in distributions.items():
         try:
-            from importlib.metadata import version
-
-            dist = {"hta": "HolisticTraceAnalysis"}.get(mod, mod)
-            versions[mod] = version(dist)
-        except Exception:
-            versions[mod] = "absent"
+            versions[key] = version(dist)
+        except PackageNotFoundError:
+            versions[key] = "absent"
     if torch.version.cuda:
         versions["cuda"] = torch.version.cuda
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        versions["fusionscope"] = version("fusionscope")
-    except PackageNotFoundError:
-        versions["fusionscope"] = "source"
     return versions
 
 

@@ -88,9 +88,8 @@ def profile(
     on_stage: Callable[[str], None] | None = None,
 ) -> Run:
     """Profile MODEL and write its run folder (trace, tables, summary.json, report.html); return the Run."""
-
     from fusionscope import analysis, capture, models, trace
-    from fusionscope.device import get_ceilings
+    from fusionscope.device import get_ceilings, software_versions
 
     t_start = time.perf_counter()
     note = on_stage or (lambda _msg: None)
@@ -132,7 +131,7 @@ def profile(
             "command": command_line(),
             "model": model_info,
             "device": {"kind": dev.type, "name": ceilings.name},
-            "versions": ceilings.versions,
+            "versions": software_versions(),
             "roofs": ceilings.to_json(),
             "cost_coverage": analysis.cost_coverage(kernels),
             "phases": analysis.summarize_phases(
