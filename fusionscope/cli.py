@@ -158,6 +158,20 @@ def bench(
     out.print(f"results: {folder}/bench.csv, {folder}/bench.html")
 
 
+@app.command()
+def catalog() -> None:
+    """The fusion catalogue: each entry, what it matches, the kernel that serves it and the families it patches."""
+    from fusionscope.fusions import fusions
+
+    table = Table(title="fusion catalogue")
+    for col in ("fusion", "what it replaces", "kernel", "families"):
+        table.add_column(col)
+    for fusion in fusions():
+        table.add_row(fusion.KEY, fusion.TITLE, f"fusionscope.kernels.{fusion.KERNEL}" if fusion.KERNEL else "—",
+                      ", ".join(fusion.FAMILIES))  # fmt: skip
+    out.print(table)
+
+
 def print_cases(names: list[str]) -> None:
     from fusionscope.bench.cases import CASES
     from fusionscope.kernels.tolerances import TOLERANCES

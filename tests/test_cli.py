@@ -138,3 +138,12 @@ def test_python_api_returns_the_run(tmp_path: Path) -> None:
 
     run = fusionscope.profile(FACTORY, out=tmp_path / "api")
     assert run.report_path.is_file() and list(run.summary["phases"]) == ["forward"]
+
+
+def test_catalog_lists_the_registry() -> None:
+    from fusionscope.fusions import fusions
+
+    result = runner.invoke(app, ["catalog"])
+    assert result.exit_code == 0, result.output
+    for fusion in fusions():
+        assert fusion.KEY in result.stdout

@@ -1,0 +1,35 @@
+"""The fusion catalogue: one module per fusion, found through this registry.
+
+Each module holds its pattern (`find(graph) -> [Match]` on the recorded dataflow), the `fusionscope.kernels`
+function that serves it (`KERNEL`), the model families it can patch (`FAMILIES`), a one-line `TITLE`, and in its
+docstring the bytes moved unfused vs fused. The CLI, `catalog`, the report and the tests read only `FUSIONS`.
+Importable without triton: kernels are named here, never imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from fusionscope.fusions.base import Graph, Match
+
+_MODULES = ("add_rms_norm", "rms_norm", "silu_and_mul")
+
+
+def fusions() -> list[ModuleType]:
+    return [importlib.import_module(f"fusionscope.fusions.{name}") for name in _MODULES]
+
+
+def find_matches(graph: Graph) -> list[Match]:
+    """Every entry's matches; a node belongs to at most one match (entries earlier in the list win)."""
+    taken: set[int] = set()
+    found = []
+    for fusion in fusions():
+        for match in fusion.find(graph):
+            if taken.isdisjoint(match.nodes):
+                taken.update(match.nodes)
+                found.append(match)
+    return found
+
+
+__all__ = ["Graph", "Match", "find_matches", "fusions"]

@@ -1,0 +1,70 @@
+"""What every catalogue entry shares: the dataflow graph it matches on, and the Match it returns.
+
+A match is a set of nodes of the recorded dataflow (`fusionscope.dataflow`) that one fused kernel could replace.
+Its intermediates must be private: a tensor made inside the group and read by a node outside it still has to be
+written by the fused kernel. Such outputs are listed (`escaping`), which the byte accounting charges, and an entry may
+reject the match instead, with its reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+
+@dataclass(frozen=True)
+class Match:
+    """One group of nodes that one fused kernel could replace."""
+
+    fusion: str
+    phase: str
+    step: int
+    nodes: tuple[int, ...]
+    anchor_module: str
+    escaping: tuple[int, ...] = ()  # nodes inside the group whose output is also read outside it
+    rejected: str = ""  # non-empty: why this group cannot be fused as is
+
+
+@dataclass
+class Graph:
+    """Fast access to a dataflow table (one row per node, see `fusionscope.dataflow`)."""
+
+    nodes: pd.DataFrame
+    name: dict[int, str] = field(init=False)
+    inputs: dict[int, tuple[int, ...]] = field(init=False)
+    consumers: dict[int, tuple[int, ...]] = field(init=False)
+    module: dict[int, str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        ids = self.nodes["node"].tolist()
+        self.name = dict(zip(ids, self.nodes["name"]))
+        self.inputs = dict(zip(ids, map(tuple, self.nodes["inputs"])))
+        self.consumers = dict(zip(ids, map(tuple, self.nodes["consumers"])))
+        self.module = dict(zip(ids, self.nodes["module"]))
+        self.row = dict(zip(ids, range(len(ids))))
+
+    def named(self, op: str) -> Iterator[int]:
+        return (n for n, name in self.name.items() if name == op)
+
+    def producer(self, node: int, which: int = 0) -> int:
+        """The node that produced input `which` of `node` (-1: a parameter, a model input, or out of range)."""
+        ins = self.inputs.get(node, ())
+        return ins[which] if which < len(ins) else -1
+
+    def producers(self, node: int) -> tuple[int, ...]:
+        return tuple(p for p in self.inputs.get(node, ()) if p >= 0)
+
+    def only_consumer(self, node: int) -> int:
+        """The single consumer of `node`'s output, or -1 when there are none or several."""
+        consumers = self.consumers.get(node, ())
+        return consumers[0] if len(set(consumers)) == 1 else -1
+
+    def escaping(self, group: set[int], outputs: set[int]) -> tuple[int, ...]:
+        """Nodes of `group`, other than its intended `outputs`, read by a node outside the group."""
+        return tuple(sorted(n for n in group - outputs if any(c not in group for c in self.consumers.get(n, ()))))
+
+    def where(self, node: int) -> tuple[str, int]:
+        row = self.nodes.iloc[self.row[node]]
+        return str(row["phase"]), int(row["step"])

@@ -1,0 +1,86 @@
+"""rms_norm: Hugging Face's unfused RMSNorm chain → one `fusionscope.kernels.rms_norm` launch.
+
+Pattern (Llama, Mistral, Qwen2; Gemma's `(1 + w)` variant too), on the dataflow:
+    x → [_to_copy fp32] → pow → mean → add ε → rsqrt → mul(·, x32) → [_to_copy dtype] → mul(weight)
+The bracketed casts vanish in fp32 models (`.to(float32)` of an fp32 tensor dispatches nothing). Matched where the
+norm's input is not a residual add (layer 0's input norm, Qwen3's q/k norms); after a residual add `add_rms_norm`
+takes the group instead. Bytes per row of N: unfused ≈ (4s + 28)·N in bf16 (each op reads and writes a row, some
+in fp32), fused 2·s·N.
+"""
+
+from __future__ import annotations
+
+from fusionscope.fusions.base import Graph, Match
+
+KEY = "rms_norm"
+KERNEL = "rms_norm"
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+TITLE = "RMSNorm chain → one kernel"
+
+
+def norm_chain(graph: Graph, rsqrt: int) -> tuple[set[int], int, int] | None:
+    """The nodes of the RMSNorm around `rsqrt`, its input's producer (-1: a parameter or model input), and its
+    output node; None when the neighbourhood is not an RMSNorm."""
+    name = graph.name
+    eps_add = graph.producer(rsqrt)
+    mean = graph.producer(eps_add)
+    power = graph.producer(mean)
+    if (name.get(eps_add), name.get(mean), name.get(power)) != ("aten::add", "aten::mean", "aten::pow"):
+        return None
+    x32 = graph.producer(power)
+    group = {eps_add, mean, power, rsqrt}
+    source = x32
+    if name.get(x32) == "aten::_to_copy":
+        group.add(x32)
+        source = graph.producer(x32)
+    scale = graph.only_consumer(rsqrt)
+    if name.get(scale) != "aten::mul" or x32 not in graph.inputs.get(scale, ()):
+        return None
+    group.add(scale)
+    node = scale
+    for _ in range(4):  # cast back, weight multiply, Gemma's (1 + w) and final cast
+        after = graph.only_consumer(node)
+        if name.get(after) not in ("aten::_to_copy", "aten::mul") or graph.module.get(after) != graph.module[rsqrt]:
+            break
+        group.add(after)
+        group.update(_weight_prep(graph, after))
+        node = after
+    return group, source, node
+
+
+def _weight_prep(graph: Graph, node: int) -> set[int]:
+    """Gemma's `1.0 + weight.float()`: the producers of `node`, in its module, computed from parameters alone."""
+
+    def params_only(p: int) -> set[int] | None:
+        if graph.module.get(p) != graph.module.get(node) or graph.name.get(p) not in ("aten::add", "aten::_to_copy"):
+            return None
+        found = {p}
+        for i in graph.producers(p):
+            upstream = params_only(i)
+            if upstream is None:
+                return None
+            found |= upstream
+        return found
+
+    prep: set[int] = set()
+    for p in graph.producers(node):
+        prep |= params_only(p) or set()
+    return prep
+
+
+def is_residual_add(graph: Graph, node: int) -> bool:
+    """A tensor + tensor add outside the norm's own module: the decoder layer's residual connection."""
+    return graph.name.get(node) == "aten::add" and len(graph.producers(node)) == 2
+
+
+def find(graph: Graph) -> list[Match]:
+    matches = []
+    for rsqrt in graph.named("aten::rsqrt"):
+        chain = norm_chain(graph, rsqrt)
+        if chain is None or is_residual_add(graph, chain[1]):
+            continue
+        group, _source, out = chain
+        phase, step = graph.where(rsqrt)
+        matches.append(Match(KEY, phase, step, tuple(sorted(group)), graph.module[rsqrt],
+                             escaping=graph.escaping(group, {out})))  # fmt: skip
+    return matches

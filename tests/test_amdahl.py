@@ -1,0 +1,49 @@
+"""The regime-aware Amdahl model on synthetic steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from fusionscope import amdahl
+
+ROOFS = {"aten_op_host_us": 10.0, "launch_us": 16.0}
+
+
+def host_bound_phase() -> dict:
+    """Eager decode at batch 1: 16% GPU busy, 1000 ops in a 10 ms step."""
+    return {"wall_ms_per_step": 20.0, "wall_ms_per_step_unprofiled": 10.0, "gpu_busy_ms_per_step": 1.6,
+            "ops_per_step": 1000.0, "regime": "host-bound"}  # fmt: skip
+
+
+def test_gpu_saving_without_saved_launches_barely_moves_a_host_bound_step() -> None:
+    model = amdahl.step_model(host_bound_phase(), ROOFS)
+    assert model is not None and model.regime == "host-bound"
+    result = amdahl.speedup(model, saved_gpu_us=0.12 * model.gpu_us, saved_ops=0, added_launches=0)
+    assert result.gpu == pytest.approx(1 / 0.88)
+    assert result.wall < 1.02
+
+
+def test_saved_ops_pay_in_a_host_bound_step() -> None:
+    model = amdahl.step_model(host_bound_phase(), ROOFS)
+    # a fusion of 9-op groups, 40 groups per step: 360 ops out, 40 launches in
+    result = amdahl.speedup(model, saved_gpu_us=100.0, saved_ops=360, added_launches=40)
+    expected_host = 10_000 - 360 * 10.0 + 40 * 16.0
+    assert result.wall == pytest.approx(10_000 / expected_host)
+
+
+def test_gpu_bound_step_follows_the_gpu_saving() -> None:
+    phase = {"wall_ms_per_step": 10.0, "wall_ms_per_step_unprofiled": 9.0, "gpu_busy_ms_per_step": 8.5,
+             "ops_per_step": 400.0, "regime": "gpu-bound"}  # fmt: skip
+    model = amdahl.step_model(phase, ROOFS)
+    assert model.host_us == pytest.approx(400 * 10.0)  # the measured one-kernel op cost, host hidden
+    result = amdahl.speedup(model, saved_gpu_us=850.0, saved_ops=0, added_launches=0)
+    assert result.wall == pytest.approx(8500 / 7650)
+
+
+def test_cuda_graph_share_is_the_unhidden_host_time() -> None:
+    model = amdahl.step_model(host_bound_phase(), ROOFS)
+    assert amdahl.cuda_graph_share(model) == pytest.approx(1 - 1.6 / 10.0)
+
+
+def test_cpu_runs_have_no_model() -> None:
+    assert amdahl.step_model({"gpu_busy_ms_per_step": None, "ops_per_step": 10}, ROOFS) is None
