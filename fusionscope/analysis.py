@@ -30,7 +30,7 @@ def kernel_table(timeline: Timeline) -> pd.DataFrame:
             op=ops["name"], stream=-1, dur_us=ops["self_us"]
         )
         table = table.join(costs, on="op_id")
-        return table.drop(columns=["op_id"]).reset_index(drop=True)
+        return table.reset_index(drop=True)
     kernels = timeline.kernels.join(costs, on="op_id")
     share = kernels["dur_us"] / kernels.groupby("op_id")["dur_us"].transform("sum").replace(0, np.nan)
     share = share.where(kernels["op_id"] >= 0)

@@ -88,8 +88,9 @@ def profile(
     on_stage: Callable[[str], None] | None = None,
 ) -> Run:
     """Profile MODEL and write its run folder (trace, tables, summary.json, report.html); return the Run."""
-    from fusionscope import analysis, capture, models, trace
+    from fusionscope import analysis, capture, dataflow, models, opportunities, trace
     from fusionscope.device import get_ceilings, software_versions
+    from fusionscope.fusions import Graph, find_matches
 
     t_start = time.perf_counter()
     note = on_stage or (lambda _msg: None)
@@ -108,6 +109,8 @@ def profile(
         note("measuring the device's roofs")
         ceilings = get_ceilings(dev, remeasure=remeasure)
         cap = capture.capture(workload, tmp, warmup=warmup, on_stage=note)
+        note("recording the dataflow (a separate, untimed pass)")
+        nodes = dataflow.record_dataflow(workload)
         model_info = {
             "name": spec.name,
             "source": spec.source,
@@ -125,6 +128,11 @@ def profile(
         kernels = analysis.kernel_table(timeline)
         kernels = analysis.classify(kernels, ceilings.copy_gbps, ceilings.peak_tflops())
         ops_per_step = timeline.ops.groupby("phase").size() / timeline.steps.groupby("phase").size()
+        note("matching the fusion catalogue on the dataflow and estimating each fusion")
+        joined = dataflow.join_dataflow(nodes, timeline.ops)
+        per_match = opportunities.estimate_matches(
+            find_matches(Graph(joined)), joined, timeline.ops, kernels, ceilings.to_json()
+        )
         summary = {
             "schema": SCHEMA_VERSION,
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -142,8 +150,15 @@ def profile(
                 {str(k): float(v) for k, v in ops_per_step.dropna().items()},
             ),
         }
+        summary["dataflow"] = {"nodes": len(joined), "join_rate": dataflow.join_rate(joined)}
+        summary["opportunities"], summary["cumulative"] = opportunities.summarize_opportunities(
+            per_match, summary["phases"], summary["roofs"]
+        )
         note("writing the run folder")
         write_tables(tmp, kernels, timeline.ops)
+        opportunities.opportunities_table(summary["opportunities"]).to_csv(
+            tmp / "opportunities.csv", index=False, float_format="%.6g"
+        )
         summary["wall_s"] = round(time.perf_counter() - t_start, 2)
         write_json(tmp / "summary.json", summary)
         (tmp / "report.html").write_text(render_report(summary, kernels), encoding="utf-8")

@@ -28,6 +28,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_profile_writes_a_complete_run_folder(tiny_run: Path) -> None:
     assert sorted(p.name for p in tiny_run.iterdir()) == [
         "kernels.csv",
+        "opportunities.csv",
         "ops.csv",
         "report.html",
         "summary.json",
@@ -147,3 +148,20 @@ def test_catalog_lists_the_registry() -> None:
     assert result.exit_code == 0, result.output
     for fusion in fusions():
         assert fusion.KEY in result.stdout
+
+
+def test_profile_reports_fusion_opportunities(tiny_run: Path) -> None:
+    """tiny-llama has 2 layers: per step 4 add_rms_norm, 1 rms_norm, 2 silu_and_mul, in both phases."""
+    summary = json.loads((tiny_run / "summary.json").read_text())
+    counts = {(o["fusion"], o["phase"]): o["count"] for o in summary["opportunities"]}
+    for phase in ("prefill", "decode"):
+        assert counts[("add_rms_norm", phase)] == 4
+        assert counts[("rms_norm", phase)] == 1
+        assert counts[("silu_and_mul", phase)] == 2
+    for opp in summary["opportunities"]:
+        assert opp["bytes_fused"] < opp["bytes_now"] and opp["launches_fused"] < opp["launches_now"]
+        assert opp["speedup_gpu"] is None and opp["speedup_wall"] > 1  # CPU run: no GPU figures
+    assert summary["dataflow"]["join_rate"] >= 0.95
+    table = pd.read_csv(tiny_run / "opportunities.csv")
+    assert len(table) == len(summary["opportunities"])
+    assert 'id="table-opportunities"' in (tiny_run / "report.html").read_text()

@@ -39,6 +39,7 @@ from .grouping import (
     roofline_points,
     time_per_step_by,
 )
+from .opportunities import opportunities_table, waterfall_figure
 from .regime import regime_sentence
 from .table import top_kernels_table
 
@@ -245,6 +246,11 @@ def render_page(summary: Mapping[str, Any], kernels: pd.DataFrame | None) -> str
         no_data = _empty("This run recorded no phases.")
         time_panels = tree_panels = roof_panels = tables = [no_data]
 
+    waterfalls = []
+    for name, plan in _mapping(summary.get("cumulative")).items():
+        fig = waterfall_figure(str(name), _mapping(plan))
+        if fig is not None:
+            waterfalls.append(_figure_html(fig, f"fig-waterfall-{slugs.get(name, name)}"))
     body = [
         _header(summary),
         "<main>",
@@ -272,6 +278,14 @@ def render_page(summary: Mapping[str, Any], kernels: pd.DataFrame | None) -> str
             "Solid lines are roofs measured on this machine, dashed lines the datasheet's.",
             grid + "".join(roof_panels) + "</div>",
             "roofline",
+        ),
+        _section(
+            "Fusion opportunities",
+            "Groups of ops one fused kernel could replace, found on the recorded dataflow; time now is measured, "
+            "fused time is analytic from the measured roofs; speedups are end to end for the phase, knowing whether "
+            "the host or the GPU paces it. Open a row for its module paths.",
+            opportunities_table(summary.get("opportunities") or []) + "".join(waterfalls),
+            "opportunities",
         ),
         _section(
             "Top kernels",

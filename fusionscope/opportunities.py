@@ -1,0 +1,147 @@
+"""From catalogue matches to what each fusion is worth: bytes, launches and time now vs fused, per phase, and the
+end-to-end speedup through the regime-aware Amdahl model (`fusionscope.amdahl`).
+
+Time now is measured: the kernels of the group's ops in the timed pass (a node owns the kernels of its op and of the
+ops nested inside it, `dataflow.op_owners`). Fused time is analytic: max(bytes / copy bandwidth, FLOPs / peak) plus
+a floor for one launch on the GPU (the 5th percentile of the run's kernel durations: what the shortest kernels cost
+here). Fused bytes are counted on the dataflow: every tensor entering the group read once, every tensor leaving it
+— the intended outputs and any intermediate read outside the group — written once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+from fusionscope import amdahl
+from fusionscope.dataflow import op_owners
+from fusionscope.fusions import Match
+
+ELEMENT_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "int16": 2,
+                 "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}  # fmt: skip
+COLUMNS = ["fusion", "phase", "count", "module_paths", "t_now_us", "t_fused_us", "saved_us", "bytes_now", "bytes_fused",
+           "launches_now", "launches_fused", "speedup_gpu", "speedup_wall", "confidence", "reason"]  # fmt: skip
+
+
+PER_STEP = ("t_now_us", "t_fused_us", "bytes_now", "bytes_fused", "launches_now", "launches_fused", "ops_now")
+
+
+def _tensor_bytes(shape: tuple, dtype: str) -> int:
+    return math.prod(shape) * ELEMENT_BYTES.get(str(dtype), 4)
+
+
+def fused_bytes(nodes: pd.DataFrame, match: Match, outputs: set[int]) -> int:
+    """Bytes a fused kernel must move for `match`: external inputs once each, intended and escaping outputs once."""
+    group = set(match.nodes)
+    seen: set[tuple] = set()
+    total = 0
+    for n in match.nodes:
+        row = nodes.loc[n]
+        for i, (producer, shape, dtype) in enumerate(zip(row["inputs"], row["input_shapes"], row["input_dtypes"])):
+            if producer in group:
+                continue
+            key = (producer, tuple(shape)) if producer >= 0 else (n, i)
+            if key not in seen:
+                seen.add(key)
+                total += _tensor_bytes(tuple(shape), dtype)
+    for n in outputs | set(match.escaping):
+        row = nodes.loc[n]
+        total += sum(_tensor_bytes(tuple(s), d) for s, d in zip(row["output_shapes"], row["output_dtypes"]))
+    return total
+
+
+def _group_outputs(nodes: pd.DataFrame, match: Match) -> set[int]:
+    """Nodes of the group whose output leaves it (read outside, or read by nobody: a model output)."""
+    group = set(match.nodes)
+    return {n for n in match.nodes if not set(nodes.loc[n, "consumers"]) <= group or not nodes.loc[n, "consumers"]}
+
+
+def estimate_matches(matches: list[Match], joined: pd.DataFrame, ops: pd.DataFrame, kernels: pd.DataFrame,
+                     roofs: dict) -> pd.DataFrame:  # fmt: skip
+    """One row per match: measured time, bytes and launches of its kernels now, and the analytic fused figures."""
+    nodes = joined.set_index("node", drop=False)
+    owner = op_owners(joined, ops)
+    kernel_node = kernels["op_id"].map(owner).fillna(-1).astype(np.int64)
+    by_node = kernels.assign(node=kernel_node).groupby("node")
+    ops_per_node = ops["op_id"].map(owner).value_counts()
+    floor_us = float(kernels["dur_us"].quantile(0.05)) if len(kernels) else 0.0
+    bandwidth = float(roofs["copy_gbps"]) * 1e3  # bytes per µs
+    peaks = {k: v for k, v in (roofs.get("tflops") or {}).items() if v}
+    rows = []
+    for match in matches:
+        present = [n for n in match.nodes if n in by_node.groups]
+        ks = pd.concat([by_node.get_group(n) for n in present]) if present else kernels.iloc[:0]
+        outputs = _group_outputs(nodes, match) - set(match.escaping)
+        dtype = str(nodes.loc[match.nodes[0], "input_dtypes"][0]) if nodes.loc[match.nodes[0], "input_dtypes"] else ""
+        peak = peaks.get(dtype) or peaks.get("float32") or 1.0
+        bytes_fused = fused_bytes(nodes, match, outputs)
+        flops = float(ks["flops"].sum()) if len(ks) else 0.0
+        unjoined = sum(int(nodes.loc[n, "op_id"]) < 0 for n in match.nodes if not nodes.loc[n, "is_view"])
+        rows.append({
+            "fusion": match.fusion, "phase": match.phase, "step": match.step, "module": match.anchor_module,
+            "t_now_us": float(ks["dur_us"].sum()), "bytes_now": float(ks["bytes"].sum()), "launches_now": len(ks),
+            "t_fused_us": max(bytes_fused / bandwidth, flops / (peak * 1e6)) + floor_us, "bytes_fused": bytes_fused,
+            "launches_fused": 1, "ops_now": int(sum(ops_per_node.get(n, 0) for n in match.nodes)),
+            "escaping": len(match.escaping), "unjoined": unjoined, "rejected": match.rejected,
+        })  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def _confidence(group: pd.DataFrame) -> tuple[str, str]:
+    if group["rejected"].astype(bool).any():
+        return "low", str(group.loc[group["rejected"].astype(bool), "rejected"].iat[0])
+    reasons = []
+    if group["escaping"].sum():
+        reasons.append("an intermediate is read outside the group: its write is charged to the fused kernel")
+    if group["unjoined"].sum():
+        reasons.append(f"{int(group['unjoined'].sum())} node(s) not joined to the timed pass: time now undercounted")
+    if reasons:
+        return "medium", "; ".join(reasons)
+    return "high", "measured kernels of every op in the group; fused time from the measured roofs"
+
+
+def summarize_opportunities(per_match: pd.DataFrame, phases: dict[str, dict], roofs: dict) -> tuple[list[dict], dict]:
+    """Per (fusion, phase): per-step figures and end-to-end speedups, and the cumulative plan per phase (all
+    accepted fusions together, in catalogue order, as a waterfall)."""
+    opportunities: list[dict] = []
+    cumulative: dict[str, dict] = {}
+    if per_match.empty:
+        return opportunities, cumulative
+    for phase, in_phase in per_match.groupby("phase", sort=False):
+        steps = max(int(phases.get(phase, {}).get("steps") or in_phase["step"].nunique()), 1)
+        model = amdahl.step_model(phases.get(phase, {}), roofs)
+        saved_gpu = saved_ops = added = 0.0
+        waterfall = []
+        for fusion, group in in_phase.groupby("fusion", sort=False):
+            per_step = {k: float(group[k].sum()) / steps for k in PER_STEP}
+            saved = max(per_step["t_now_us"] - per_step["t_fused_us"], 0.0)
+            confidence, reason = _confidence(group)
+            row = {"fusion": fusion, "phase": phase, "count": len(group) / steps,
+                   "module_paths": sorted(set(group["module"])), **per_step, "saved_us": saved,
+                   "speedup_gpu": None, "speedup_wall": None, "confidence": confidence, "reason": reason}  # fmt: skip
+            if model is None and phases.get(phase, {}).get("wall_ms_per_step"):
+                # CPU runs: the ops are the timeline and run one after another, so the profiled step is their sum
+                wall = 1e3 * phases[phase]["wall_ms_per_step"]
+                row.update(speedup_wall=wall / max(wall - saved, 1e-9))
+            if model is not None:
+                gain = amdahl.speedup(model, saved, per_step["ops_now"], per_step["launches_fused"])
+                row.update(speedup_gpu=gain.gpu, speedup_wall=gain.wall)
+                if confidence != "low":
+                    saved_gpu += saved
+                    saved_ops += per_step["ops_now"]
+                    added += per_step["launches_fused"]
+                    total = amdahl.speedup(model, saved_gpu, saved_ops, added)
+                    waterfall.append({"fusion": fusion, "speedup_gpu": total.gpu, "speedup_wall": total.wall})
+            opportunities.append(row)
+        if model is not None:
+            cumulative[phase] = {"waterfall": waterfall, "cuda_graph_share": amdahl.cuda_graph_share(model),
+                                 "regime": model.regime}  # fmt: skip
+    return opportunities, cumulative
+
+
+def opportunities_table(opportunities: list[dict]) -> pd.DataFrame:
+    table = pd.DataFrame(opportunities, columns=[*COLUMNS, "ops_now"])
+    table["module_paths"] = table["module_paths"].map(lambda paths: " ".join(paths) if isinstance(paths, list) else "")
+    return table
