@@ -252,6 +252,17 @@ def print_summary(summary: dict) -> None:
         "kernel time with overlaps counted once",
         style="dim",
     )
+    if summary.get("opportunities"):
+        opp_table = Table(title="fusion opportunities (per step; speedups end to end for the phase)")
+        for col in ("fusion", "phase", "count", "µs now", "µs fused", "launches", "GPU ×", "wall ×", "confidence"):
+            opp_table.add_column(col, justify="left" if col in ("fusion", "phase", "confidence") else "right")
+        for opp in summary["opportunities"]:
+            opp_table.add_row(
+                opp["fusion"], opp["phase"], fmt(opp["count"], ".0f"), fmt(opp["t_now_us"], ".1f"),
+                fmt(opp["t_fused_us"], ".1f"), f"{opp['launches_now']:.0f}→{opp['launches_fused']:.0f}",
+                fmt(opp["speedup_gpu"], ".3f"), fmt(opp["speedup_wall"], ".3f"), opp["confidence"],
+            )  # fmt: skip
+        out.print(opp_table)
     coverage = summary.get("cost_coverage")
     if coverage is not None:
         out.print(f"cost coverage: {coverage:.1%} of kernel time has a bytes/FLOPs model")

@@ -110,15 +110,17 @@ def summarize_opportunities(per_match: pd.DataFrame, phases: dict[str, dict], ro
     if per_match.empty:
         return opportunities, cumulative
     for phase, in_phase in per_match.groupby("phase", sort=False):
-        steps = max(int(phases.get(phase, {}).get("steps") or in_phase["step"].nunique()), 1)
         model = amdahl.step_model(phases.get(phase, {}), roofs)
         saved_gpu = saved_ops = added = 0.0
         waterfall = []
         for fusion, group in in_phase.groupby("fusion", sort=False):
-            per_step = {k: float(group[k].sum()) / steps for k in PER_STEP}
+            # per step: sum over the step's matches, then the median over the phase's steps (one slow step — a
+            # first call, a page fault — must not set the figure)
+            by_step = group.groupby("step")[list(PER_STEP)].sum()
+            per_step = {k: float(by_step[k].median()) for k in PER_STEP}
             saved = max(per_step["t_now_us"] - per_step["t_fused_us"], 0.0)
             confidence, reason = _confidence(group)
-            row = {"fusion": fusion, "phase": phase, "count": len(group) / steps,
+            row = {"fusion": fusion, "phase": phase, "count": float(group.groupby("step").size().median()),
                    "module_paths": sorted(set(group["module"])), **per_step, "saved_us": saved,
                    "speedup_gpu": None, "speedup_wall": None, "confidence": confidence, "reason": reason}  # fmt: skip
             if model is None and phases.get(phase, {}).get("wall_ms_per_step"):

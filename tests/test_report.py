@@ -539,3 +539,16 @@ def test_phase_slugs_are_unique_html_ids() -> None:
     slugs = phase_slugs(["decode", "Decode", "pre fill", "<>"])
     assert len(set(slugs.values())) == 4
     assert all(re.fullmatch(r"[a-z0-9-]+", s) for s in slugs.values())
+
+
+def test_opportunities_section_formats_times_and_speedups() -> None:
+    from fusionscope.report.opportunities import opportunities_table
+
+    html_text = opportunities_table([
+        {"fusion": "rms_norm", "phase": "decode", "count": 1.0, "t_now_us": 32.1, "t_fused_us": 0.25,
+         "saved_us": 31.85, "bytes_now": 8240.0, "bytes_fused": 3072.0, "launches_now": 20.0, "launches_fused": 1.0,
+         "speedup_gpu": None, "speedup_wall": 1.0113, "confidence": "high", "reason": "r <ok>",
+         "module_paths": ["model.layers.0.input_layernorm"]}
+    ])  # fmt: skip
+    assert ">32.1<" in html_text and ">1.011×<" in html_text and "32.100×" not in html_text
+    assert "r &lt;ok&gt;" in html_text and "model.layers.0.input_layernorm" in html_text

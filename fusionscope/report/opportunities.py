@@ -20,16 +20,12 @@ HEADERS = (("fusion", "fusion", False), ("phase", "phase", False), ("count", "pe
            ("confidence", "confidence", False))  # fmt: skip
 
 
-def _cell(value: Any, numeric: bool) -> str:
+def _cell(key: str, value: Any, numeric: bool) -> str:
     if not numeric:
         return f'<td data-v="{html.escape(text_or_dash(value), quote=True)}">{html.escape(text_or_dash(value))}</td>'
     if value is None:
         return '<td data-v="" class="num">—</td>'
-    shown = (
-        f"{value:.3f}×"
-        if isinstance(value, float) and value < 50 and value > 0.2 and value != int(value)
-        else (f"{value:,.1f}" if isinstance(value, float) else f"{value:,}")
-    )
+    shown = f"{value:.3f}×" if key.startswith("speedup") else f"{value:,.3g}" if value < 100 else f"{value:,.0f}"
     return f'<td data-v="{value}" class="num">{shown}</td>'
 
 
@@ -40,7 +36,7 @@ def opportunities_table(opportunities: Sequence[Mapping[str, Any]]) -> str:
                    f"{html.escape(label)}</th>" for _key, label, num in HEADERS) + "<th>where · why</th>"  # fmt: skip
     rows = []
     for opp in opportunities:
-        cells = "".join(_cell(opp.get(key), num) for key, _label, num in HEADERS)
+        cells = "".join(_cell(key, opp.get(key), num) for key, _label, num in HEADERS)
         paths = "".join(f"<li>{html.escape(p)}</li>" for p in opp.get("module_paths") or [])
         detail = (f"<details><summary>{len(opp.get('module_paths') or [])} module paths</summary><ul>{paths}</ul>"
                   f"<p>{html.escape(text_or_dash(opp.get('reason')))}</p></details>")  # fmt: skip
