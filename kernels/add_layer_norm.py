@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from fusionscope.kernels.dispatch import run
+from fusionscope.kernels.rounding import round_to as _round
 from torch.library import triton_op, wrap_triton
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -38,21 +39,6 @@ def add_layer_norm_reference(
     h = x + residual  # read 2·N·s, write N·s (rounded to the dtype)
     out = F.layer_norm(h, (h.shape[-1],), weight, bias, eps)  # read N·s (+ weight, bias), write N·s
     return out, h
-
-
-@triton.jit
-def _round(x, dtype: tl.constexpr):
-    """Round fp32 x to `dtype` and back to fp32, round-to-nearest-even (integer path for bf16: the interpreter's
-    fp32→bf16 cast truncates; the GPU's rounds, and this matches it)."""
-    if dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        y = bits.to(tl.float32, bitcast=True)
-    elif dtype == tl.float16:
-        y = x.to(tl.float16).to(tl.float32)
-    else:
-        y = x
-    return y
 
 
 @triton.jit

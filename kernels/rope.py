@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 from fusionscope.kernels.dispatch import run
+from fusionscope.kernels.rounding import round_to as _round
 from torch.library import triton_op, wrap_triton
 from triton.language.extra import libdevice
 
@@ -96,21 +97,6 @@ def rope_and_cache_reference(
     k_cache.index_copy_(2, positions, k_rot)  # read n_k·s, write n_k·s
     v_cache.index_copy_(2, positions, v)  # read n_k·s, write n_k·s
     return q_rot
-
-
-@triton.jit
-def _round(x, dtype: tl.constexpr):
-    """Round fp32 x to `dtype` and back to fp32, round-to-nearest-even (integer path for bf16: the interpreter's
-    fp32→bf16 cast truncates; the GPU's rounds, and this matches it)."""
-    if dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        y = bits.to(tl.float32, bitcast=True)
-    elif dtype == tl.float16:
-        y = x.to(tl.float16).to(tl.float32)
-    else:
-        y = x
-    return y
 
 
 @triton.jit

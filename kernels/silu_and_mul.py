@@ -20,12 +20,11 @@ two row dims (any view of rows does); the last dim may have any stride.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from fusionscope.kernels.dispatch import run
+from fusionscope.kernels.rounding import round_to as _round
 from torch.library import triton_op, wrap_triton
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -37,23 +36,6 @@ def silu_and_mul_reference(gate: torch.Tensor, up: torch.Tensor | None = None) -
         gate, up = gate.chunk(2, dim=-1)  # views: no bytes moved
     act = torch.nn.functional.silu(gate)  # read I·s, write I·s (rounds to the dtype)
     return act * up  # read 2·I·s, write I·s (rounds again)
-
-
-# The interpreter's fp32 -> bf16 cast truncates (triton 3.9), so there `_round` rounds bf16 by hand; compiled, the
-# cast is cvt.rn (the same bits), and the hand rounding's integer ops cost bias_gelu 26% of its throughput (H200,
-# 8192 x 14336 bf16: 2.70 against 3.66 TB/s).
-_ROUND_BF16_BY_HAND = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
-
-
-@triton.jit
-def _round(x, dtype: tl.constexpr):
-    """fp32 `x` rounded to `dtype` (to nearest, ties to even), kept in fp32."""
-    if _ROUND_BF16_BY_HAND and dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return x.to(dtype).to(tl.float32)
 
 
 @triton.jit
