@@ -13,7 +13,10 @@ from types import ModuleType
 
 from fusionscope.fusions.base import Graph, Match
 
-_MODULES = ("add_rms_norm", "rms_norm", "silu_and_mul")
+# Order matters where two entries could claim the same node: dequant_gemm before the GEMM entries (on a quantised
+# model they share the matmul), linear_act before the activation entries (it never takes a GLU gate).
+_MODULES = ("dequant_gemm", "linear_act", "add_rms_norm", "rms_norm", "silu_and_mul", "gelu_and_mul",
+            "add_layer_norm", "rope", "flash_attention", "qkv", "gate_up")  # fmt: skip
 
 
 def fusions() -> list[ModuleType]:

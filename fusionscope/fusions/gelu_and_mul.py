@@ -1,0 +1,38 @@
+"""gelu_and_mul: GeGLU's `gelu(gate_proj(x), approximate="tanh") * up_proj(x)` (Gemma's MLP) → one
+`fusionscope.kernels.gelu_and_mul` launch.
+
+Pattern: `aten::gelu(g)` (either `approximate`) whose reader is a tensor × tensor `aten::mul(·, u)` — the gating
+multiply; a multiply by a parameter or a scalar is not a GLU and is left alone. If the GELU output had another reader
+it would have to be written anyway (reported as escaping). One match per MLP: L per step for L layers. Bytes per
+element of the intermediate I (size s): unfused 5·I·s (gelu reads g, writes a temp; mul reads temp and u, writes),
+fused 3·I·s.
+"""
+
+from __future__ import annotations
+
+from fusionscope.fusions.base import Graph, Match
+
+KEY = "gelu_and_mul"
+KERNEL = "gelu_and_mul"
+FAMILIES = ("gemma", "gemma2", "gemma3")
+TITLE = "GELU(gate) × up → one kernel"
+
+
+def gating_muls(graph: Graph, node: int) -> list[int]:
+    """Readers of `node` that multiply it by another computed tensor (a GLU's gate × up)."""
+    readers = sorted(set(graph.consumers.get(node, ())))
+    return [c for c in readers if graph.name.get(c) == "aten::mul" and len(set(graph.producers(c)) - {node}) == 1]
+
+
+def find(graph: Graph) -> list[Match]:
+    matches = []
+    for gelu in graph.named("aten::gelu"):
+        muls = gating_muls(graph, gelu)
+        if not muls:
+            continue
+        group = {gelu, muls[0]}
+        phase, step = graph.where(gelu)
+        rejected = "" if len(muls) == 1 else "the GELU output feeds several multiplies"
+        matches.append(Match(KEY, phase, step, tuple(sorted(group)), graph.module[muls[0]],
+                             escaping=graph.escaping(group, {muls[0]}), rejected=rejected))  # fmt: skip
+    return matches

@@ -1,0 +1,102 @@
+"""linear_act: a GEMM, its bias and the activation that reads it → one `fusionscope.kernels.linear_act` launch, the
+bias and activation applied in the GEMM's epilogue (GPT-2's `c_fc` + `gelu_new`, BERT-style MLPs).
+
+Pattern, on the dataflow: `aten::addmm(b, x, W)` — or `aten::mm` followed by `aten::add(·, bias)` with the bias a
+parameter — then, through views, an activation that is the GEMM output's only reader:
+  - a single `aten::gelu` (either `approximate`), `aten::relu` or `aten::silu`;
+  - or a decomposed GELU chain in one module: the elementwise ops that read only the GEMM output and each other,
+    `aten::mul/add/pow` around one `aten::tanh` (`gelu_new` / NewGELUActivation: x·0.5·(1 + tanh(√(2/π)·(x +
+    0.044715·x³))), 8 ops) or `aten::mul/add/div` around one `aten::erf`, reading x at least twice (x·Φ(x): a
+    softcap `c·tanh(x/c)` reads it once and is not an activation) and ending in one node.
+An activation whose output gates a tensor × tensor multiply (SwiGLU, GeGLU) is left to `silu_and_mul` /
+`gelu_and_mul`. A GEMM output read outside the group is no match (it would have to be written anyway); an
+intermediate of the chain read outside it is reported as escaping. GPT-2: one match per block, L per step.
+Bytes per call, x (M, K), W (K, N), size s: the GEMM moves (M·K + K·N + N + M·N)·s; unfused the activation adds
+2·M·N·s for one op, ≈ 18·M·N·s for the 8-op gelu_new chain (each op reads and writes M·N, three read two), and a
+separate bias add 3·M·N·s; fused (M·K + K·N + N + M·N)·s, one launch.
+"""
+
+from __future__ import annotations
+
+from fusionscope.fusions.base import Graph, Match
+from fusionscope.fusions.gelu_and_mul import gating_muls
+
+KEY = "linear_act"
+KERNEL = "linear_act"
+FAMILIES = ("gpt2",)
+TITLE = "GEMM + bias + activation → one kernel (epilogue)"
+GEMMS = ("aten::addmm", "aten::mm")
+SINGLE = ("aten::gelu", "aten::relu", "aten::silu")
+VIEWS = ("aten::view", "aten::_unsafe_view", "aten::reshape", "aten::alias", "aten::unsqueeze", "aten::squeeze")
+# decomposed GELUs: the one transcendental, and the ops allowed around it
+CHAINS = {"aten::tanh": {"aten::mul", "aten::add", "aten::pow"}, "aten::erf": {"aten::mul", "aten::add", "aten::div"}}
+
+
+def _is_view(graph: Graph, node: int) -> bool:
+    if "is_view" in graph.nodes.columns:
+        return bool(graph.nodes.iat[graph.row[node], graph.nodes.columns.get_loc("is_view")])
+    return graph.name.get(node) in VIEWS
+
+
+def _chain(graph: Graph, x: int) -> set[int]:
+    """The decomposed activation reading `x`: the elementwise ops in one module computed from `x` and each other."""
+    readers = set(graph.consumers.get(x, ()))
+    modules = {graph.module.get(c) for c in readers}
+    if len(modules) != 1:
+        return set()
+    allowed = set().union(*CHAINS.values(), CHAINS)
+    group: set[int] = set()
+    grown = True
+    while grown:
+        grown = False
+        for n in sorted(readers - group):
+            if (
+                graph.name.get(n) in allowed
+                and graph.module.get(n) in modules
+                and set(graph.producers(n)) <= group | {x}
+            ):
+                group.add(n)
+                readers |= set(graph.consumers.get(n, ()))
+                grown = True
+    return group
+
+
+def _activation(graph: Graph, x: int) -> tuple[set[int], int] | None:
+    """The activation reading `x` and its output node, or None."""
+    readers = set(graph.consumers.get(x, ()))
+    if len(readers) == 1 and graph.name.get(next(iter(readers))) in SINGLE:
+        (act,) = readers
+        return {act}, act
+    group = _chain(graph, x)
+    names = [graph.name[n] for n in group]
+    kinds = [t for t in CHAINS if names.count(t) == 1]
+    if len(kinds) != 1 or not set(names) - {kinds[0]} <= CHAINS[kinds[0]] or len(readers) < 2 or not readers <= group:
+        return None
+    ends = [n for n in group if not set(graph.consumers.get(n, ())) & group]
+    return (group, ends[0]) if len(ends) == 1 and graph.name[ends[0]] == "aten::mul" else None
+
+
+def find(graph: Graph) -> list[Match]:
+    matches = []
+    for gemm in (n for n, name in graph.name.items() if name in GEMMS):
+        group = {gemm}
+        x = gemm  # the GEMM's output, followed through views
+        while (after := graph.only_consumer(x)) >= 0 and _is_view(graph, after):
+            group.add(after)
+            x = after
+        bias = graph.only_consumer(x)
+        is_bias = graph.name.get(bias) == "aten::add" and sorted(graph.inputs.get(bias, ())) == [-1, x]
+        if graph.name.get(gemm) == "aten::mm" and is_bias:  # + a parameter of its own: the bias
+            group.add(bias)
+            x = bias
+        found = _activation(graph, x)
+        if found is None:
+            continue
+        act, out = found
+        if gating_muls(graph, out):
+            continue  # a GLU's gate: silu_and_mul / gelu_and_mul take it
+        group |= act
+        phase, step = graph.where(gemm)
+        matches.append(Match(KEY, phase, step, tuple(sorted(group)), graph.module[gemm],
+                             escaping=graph.escaping(group, {out})))  # fmt: skip
+    return matches

@@ -1,0 +1,107 @@
+"""rope: Hugging Face's `apply_rotary_pos_emb` on q and k, plus the KV-cache write of one attention call → one
+`fusionscope.kernels.rope_and_cache` launch that writes the rotated q and the new k/v rows into the cache.
+
+Pattern, on the dataflow, for each of q and k (x = the head-split projection):
+    mul(x, cos) ; slice(x, :d/2), slice(x, d/2:) → neg → cat(−x2, x1)  [rotate_half] → mul(·, sin) ; add(both muls)
+The q and k chains that share the same cos/sin (the `unsqueeze`s in the attention module, which join the group) and
+the same attention module are one match; a lone chain (only q or only k rotated) still matches. Where present, the
+"cache write" joins the group: the `aten::cat(past, new, dim=-2)` that consumes the rotated k (DynamicCache growing),
+and the `aten::cat` of v that follows it in the same module (same dim and shape). Per step: L matches (one per
+attention layer).
+
+How the cache write is counted: the cats are group nodes and their outputs are the group's intended outputs, so the
+generic byte accounting charges the fused kernel with reading the past cache and writing the grown one — what a
+DynamicCache costs, fused or not. A paged/static cache kernel writes only the new rows, so for the cache part the
+estimate is conservative by 2·(2·n_past)·kv_heads·d·s bytes per layer. Bytes per token (head dim d, size s, H query
+and K kv heads), rope part only: unfused ≈ 14·(H + K)·d·s (mul, 2 slices read, neg, cat, mul, add: each reads and
+writes), fused (H + K)·d·s read + (H + K)·d·s written + cos/sin.
+
+Not in the group (misses): the cos/sin generation in `model.rotary_emb` (arange/mul/cat/cos/sin/casts, once per step
+and shared by all layers), the q/k/v projections and head-split views before the chains, partial-rotary models
+(`rotary_dim < head_dim`: an extra slice/cat around the chain), GPT-NeoX/GPT-J interleaved rotation, Qwen3's q/k
+norms before the rope, and caches that write with `index_copy_`/`copy_` (StaticCache) — those stay separate ops.
+"""
+
+from __future__ import annotations
+
+from fusionscope.fusions.base import Graph, Match
+
+KEY = "rope"
+KERNEL = "rope_and_cache"
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+TITLE = "rotary embedding on q and k + KV-cache write → one kernel"
+
+
+def _consumer(graph: Graph, node: int, op: str) -> int:
+    """The first reader of `node` named `op` (-1: none)."""
+    return next((c for c in graph.consumers.get(node, ()) if graph.name.get(c) == op), -1)
+
+
+def rope_chain(graph: Graph, neg: int) -> tuple[set[int], int, int, int, int] | None:
+    """The nodes of one `x·cos + rotate_half(x)·sin` around `neg`, with x's, cos's and sin's producers and the final
+    add; None when the neighbourhood is not a rotary chain. Intermediates may have other readers (then they escape)."""
+    name = graph.name
+    high = graph.producer(neg)
+    x = graph.producer(high)
+    cat = _consumer(graph, neg, "aten::cat")
+    if name.get(high) != "aten::slice" or x < 0 or cat < 0 or len(graph.inputs[cat]) != 2:
+        return None
+    low = graph.inputs[cat][1]
+    if graph.inputs[cat][0] != neg or name.get(low) != "aten::slice" or graph.producer(low) != x:
+        return None
+    mul_sin = _consumer(graph, cat, "aten::mul")
+    add = _consumer(graph, mul_sin, "aten::add")
+    if add < 0 or len(graph.inputs[add]) != 2:
+        return None
+    mul_cos = next((p for p in graph.inputs[add] if p != mul_sin), -1)
+    if name.get(mul_cos) != "aten::mul" or x not in graph.inputs[mul_cos]:
+        return None
+    sin = next((p for p in graph.inputs[mul_sin] if p != cat), -1)
+    cos = next((p for p in graph.inputs[mul_cos] if p != x), -1)
+    return {high, low, neg, cat, mul_sin, mul_cos, add}, x, cos, sin, add
+
+
+def _cache_write(graph: Graph, k_out: int) -> set[int]:
+    """DynamicCache's `cat([past_k, k], -2)` consuming the rotated k, and the `cat([past_v, v], -2)` after it."""
+    k_cat = _consumer(graph, k_out, "aten::cat")
+    if k_cat < 0 or graph.inputs[k_cat][-1] != k_out:
+        return set()
+    row = graph.nodes.iloc[graph.row[k_cat]]
+    step, module = row["step"], graph.module[k_cat]
+    for n in range(k_cat + 1, k_cat + 8):  # DynamicLayer.update: keys, then values, back to back
+        if n not in graph.name or graph.module[n] != module:
+            break
+        if graph.name[n] == "aten::cat":
+            other = graph.nodes.iloc[graph.row[n]]
+            same = other["step"] == step and tuple(other["scalars"]) == tuple(row["scalars"])
+            return {k_cat, n} if same and len(graph.inputs[n]) == 2 else {k_cat}
+    return {k_cat}
+
+
+def _views(graph: Graph, node: int, group: set[int], module: str) -> set[int]:
+    """cos/sin's `unsqueeze` views in the attention module, when the group alone reads them."""
+    own = graph.name.get(node) == "aten::unsqueeze" and graph.module.get(node) == module
+    return {node} if own and set(graph.consumers.get(node, ())) <= group else set()
+
+
+def find(graph: Graph) -> list[Match]:
+    calls: dict[tuple, list[tuple[set[int], int, int, int, int]]] = {}
+    for neg in graph.named("aten::neg"):
+        chain = rope_chain(graph, neg)
+        if chain is not None:
+            _nodes, _x, cos, sin, add = chain
+            calls.setdefault((graph.where(add), graph.module[add], cos, sin), []).append(chain)
+    matches = []
+    for (_where, module, cos, sin), chains in calls.items():
+        for pair in (chains[i : i + 2] for i in range(0, len(chains), 2)):  # q then k, per attention call
+            group = set().union(*(c[0] for c in pair))
+            outputs = {c[4] for c in pair}
+            cache = _cache_write(graph, pair[-1][4]) if len(pair) == 2 else set()
+            if cache:
+                group |= cache
+                outputs = (outputs - {pair[-1][4]}) | cache
+            group |= _views(graph, cos, group, module) | _views(graph, sin, group, module)
+            phase, step = graph.where(pair[0][4])
+            matches.append(Match(KEY, phase, step, tuple(sorted(group)), module,
+                                 escaping=graph.escaping(group, outputs)))  # fmt: skip
+    return matches
