@@ -72,10 +72,35 @@ def run_sequence(workload: Workload, run_step: StepRunner) -> None:
         names = _forward_kwargs(model)
         (ids,) = workload.inputs
         extra = {names["logits_to_keep"]: 1} if names["logits_to_keep"] else {}
+        if workload.sampling:
+            # `generate(do_sample=True)`'s pick: the last position's logits copied to fp32, the temperature → top-k →
+            # top-p warpers, softmax, multinomial. Seeded here, once per pass, so the timed, the profiled and the
+            # dataflow passes draw the same tokens. Ids come out (batch, 1), as from argmax.
+            from transformers.generation.logits_process import (
+                LogitsProcessorList,
+                TemperatureLogitsWarper,
+                TopKLogitsWarper,
+                TopPLogitsWarper,
+            )
+
+            temperature, top_k, top_p = workload.sampling
+            warpers = LogitsProcessorList(
+                [TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k), TopPLogitsWarper(top_p)]
+            )
+            generator = torch.Generator(device=workload.device).manual_seed(0)
+
+            def pick(logits: torch.Tensor) -> torch.Tensor:
+                scores = warpers(ids, logits[:, -1, :].to(copy=True, dtype=torch.float32))
+                return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1, generator=generator)
+
+        else:
+
+            def pick(logits: torch.Tensor) -> torch.Tensor:
+                return logits[:, -1:].argmax(-1)
 
         def prefill() -> tuple[Any, torch.Tensor]:
             out = model(ids, use_cache=True, **extra)
-            return out, out.logits[:, -1:].argmax(-1)
+            return out, pick(out.logits)
 
         for _ in range(PREFILL_REPEATS):
             out, token = run_step("prefill", prefill)
@@ -84,7 +109,7 @@ def run_sequence(workload: Workload, run_step: StepRunner) -> None:
 
             def decode(token: torch.Tensor = token) -> tuple[Any, torch.Tensor]:
                 step_out = model(token, use_cache=True, **{names["cache"]: cache})
-                return step_out, step_out.logits[:, -1:].argmax(-1)
+                return step_out, pick(step_out.logits)
 
             _, token = run_step("decode", decode)
 

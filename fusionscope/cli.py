@@ -76,6 +76,12 @@ def profile(
     remeasure: Annotated[
         bool, typer.Option(help="measure the device's roofs again instead of using the cache")
     ] = False,
+    sample: Annotated[
+        bool, typer.Option("--sample/--greedy", help="pick tokens as generate(do_sample=True) does, or by argmax")
+    ] = False,
+    temperature: Annotated[float, typer.Option(help="--sample: logits divided by this")] = 0.7,
+    top_k: Annotated[int, typer.Option(help="--sample: keep the k most likely tokens")] = 50,
+    top_p: Annotated[float, typer.Option(help="--sample: keep the smallest set holding this probability")] = 0.9,
 ) -> None:
     """Capture MODEL under torch.profiler, classify every kernel against the measured roofs, write a run folder."""
     from fusionscope.run import profile as run_profile
@@ -93,6 +99,10 @@ def profile(
             device=device,
             warmup=warmup,
             remeasure=remeasure,
+            sample=sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
             on_stage=progress.start,
         )
         progress.start(None)

@@ -154,6 +154,8 @@ class Workload:
     inputs: tuple | dict = field(default_factory=tuple)  # factory inputs, or the prompt ids for generation models
     params: int = 0
     family: str = ""
+    # (temperature, top_k, top_p): pick each next token as `generate()` samples it; None: greedy argmax
+    sampling: tuple[float, int, float] | None = None
 
 
 def resolve_model(model: str) -> ModelSpec:
@@ -300,10 +302,19 @@ def build_workload(
     prompt_len: int = 64,
     decode_steps: int = 8,
     seed: int = 0,
+    sampling: tuple[float, int, float] | None = None,
 ) -> Workload:
-    """Build the module (random weights unless the spec has real ones) and its inputs, on `device` in `dtype`."""
+    """Build the module (random weights unless the spec has real ones) and its inputs, on `device` in `dtype`.
+
+    `sampling=(temperature, top_k, top_p)` makes each step draw its next token (ignored for factory models, which
+    have no generation loop)."""
     if batch < 1 or prompt_len < 1 or decode_steps < 0:
         raise UsageError("--batch and --prompt-len must be ≥ 1 and --decode-steps ≥ 0")
+    if sampling is not None:
+        temperature, top_k, top_p = sampling
+        if not (temperature > 0 and top_k >= 1 and 0 < top_p <= 1):
+            raise UsageError("--temperature must be > 0, --top-k ≥ 1 and --top-p in (0, 1]")
+        sampling = (float(temperature), int(top_k), float(top_p))
     torch.manual_seed(seed)
     if spec.source == "factory":
         return _build_factory(spec, device, dtype)
@@ -343,6 +354,7 @@ def build_workload(
         inputs=(ids,),
         params=params,
         family=getattr(config, "model_type", ""),
+        sampling=sampling,
     )
 
 

@@ -85,9 +85,16 @@ def profile(
     device: str = "auto",
     warmup: int = 1,
     remeasure: bool = False,
+    sample: bool = False,
+    temperature: float = 0.7,
+    top_k: int = 50,
+    top_p: float = 0.9,
     on_stage: Callable[[str], None] | None = None,
 ) -> Run:
-    """Profile MODEL and write its run folder (trace, tables, summary.json, report.html); return the Run."""
+    """Profile MODEL and write its run folder (trace, tables, summary.json, report.html); return the Run.
+
+    `sample=True` picks each next token as `generate(do_sample=True)` does (temperature → top-k → top-p → draw)
+    instead of by argmax."""
     from fusionscope import analysis, capture, dataflow, models, opportunities, trace
     from fusionscope.device import get_ceilings, software_versions
     from fusionscope.fusions import Graph, find_matches
@@ -104,7 +111,13 @@ def profile(
     with staged_dir(out_dir) as tmp:
         note(f"building {spec.name} on {dev.type} in {str(torch_dtype).removeprefix('torch.')}")
         workload = models.build_workload(
-            spec, dev, torch_dtype, batch=batch, prompt_len=prompt_len, decode_steps=decode_steps
+            spec,
+            dev,
+            torch_dtype,
+            batch=batch,
+            prompt_len=prompt_len,
+            decode_steps=decode_steps,
+            sampling=(temperature, top_k, top_p) if sample else None,
         )
         note("measuring the device's roofs")
         ceilings = get_ceilings(dev, remeasure=remeasure)
@@ -120,6 +133,7 @@ def profile(
             "batch": batch,
             "prompt_len": prompt_len if workload.phases != ("forward",) else None,
             "decode_steps": decode_steps if workload.phases != ("forward",) else None,
+            "sampling": dict(zip(("temperature", "top_k", "top_p"), workload.sampling)) if workload.sampling else None,
         }
         del workload
         note("loading the trace (HTA) and joining kernels to ops and modules")

@@ -16,7 +16,7 @@ from fusionscope.fusions.base import Graph, Match
 # Order matters where two entries could claim the same node: dequant_gemm before the GEMM entries (on a quantised
 # model they share the matmul), linear_act before the activation entries (it never takes a GLU gate).
 _MODULES = ("dequant_gemm", "linear_act", "add_rms_norm", "rms_norm", "silu_and_mul", "gelu_and_mul",
-            "add_layer_norm", "rope", "flash_attention", "qkv", "gate_up")  # fmt: skip
+            "add_layer_norm", "rope", "flash_attention", "qkv", "gate_up", "sampling")  # fmt: skip
 
 
 def fusions() -> list[ModuleType]:
