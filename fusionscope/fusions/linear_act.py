@@ -34,7 +34,7 @@ CHAINS = {"aten::tanh": {"aten::mul", "aten::add", "aten::pow"}, "aten::erf": {"
 
 def _is_view(graph: Graph, node: int) -> bool:
     if "is_view" in graph.nodes.columns:
-        return bool(graph.nodes.iat[graph.row[node], graph.nodes.columns.get_loc("is_view")])
+        return bool(graph.column("is_view")[node])
     return graph.name.get(node) in VIEWS
 
 

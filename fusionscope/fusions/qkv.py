@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-from fusionscope.dataflow import LEAF, through_views
+from fusionscope.dataflow import LEAF
 from fusionscope.fusions.base import Graph, Match
 
 KEY = "qkv"
@@ -71,16 +71,12 @@ def _depends_on(graph: Graph, node: int, others: set[int]) -> bool:
 def find_linears(graph: Graph, key: str, projection: re.Pattern, most: int) -> list[Match]:
     """Groups of GEMMs in the projections (`projection`, naming their `parent`) of one module that read the same
     producer's data through views and do not depend on one another; more than `most` of them are rejected."""
-    flags = graph.nodes["is_view"] if "is_view" in graph.nodes else [False] * len(graph.nodes)
-    is_view = dict(zip(graph.nodes["node"].tolist(), map(bool, flags)))
-    indexed = None
+    is_view = graph.column("is_view", False)
     groups: dict[tuple[int, str], list[int]] = defaultdict(list)
     for gemm, name in graph.name.items():
         if name not in GEMMS or not (hit := projection.match(graph.module.get(gemm, ""))):
             continue
-        if indexed is None:
-            indexed = graph.nodes.set_index("node", drop=False).assign(is_view=lambda f: f["node"].map(is_view))
-        source = through_views(indexed, graph.producer(gemm, GEMMS[name][0]))
+        source = graph.through_views(graph.producer(gemm, GEMMS[name][0]))
         if source != LEAF:
             groups[(source, hit["parent"])].append(gemm)
     matches = []
@@ -96,7 +92,7 @@ def find_linears(graph: Graph, key: str, projection: re.Pattern, most: int) -> l
             module = graph.module[gemm]
             act, weight = (graph.producer(gemm, i) for i in GEMMS[graph.name[gemm]])
             if "input_shapes" in graph.nodes:
-                shapes.add(tuple(graph.nodes["input_shapes"].iat[graph.row[gemm]][GEMMS[graph.name[gemm]][0]]))
+                shapes.add(tuple(graph.column("input_shapes")[gemm][GEMMS[graph.name[gemm]][0]]))
             weight_views = _view_chain_up(graph, is_view, weight, module)
             computed = graph.producer(weight_views[-1]) if weight_views else weight
             if computed != LEAF or (graph.name[gemm] == "aten::addmm" and graph.producer(gemm, 0) != LEAF):

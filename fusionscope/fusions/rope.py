@@ -66,14 +66,13 @@ def _cache_write(graph: Graph, k_out: int) -> set[int]:
     k_cat = _consumer(graph, k_out, "aten::cat")
     if k_cat < 0 or graph.inputs[k_cat][-1] != k_out:
         return set()
-    row = graph.nodes.iloc[graph.row[k_cat]]
-    step, module = row["step"], graph.module[k_cat]
+    step_of, scalars = graph.column("step"), graph.column("scalars", ())
+    step, module = step_of[k_cat], graph.module[k_cat]
     for n in range(k_cat + 1, k_cat + 8):  # DynamicLayer.update: keys, then values, back to back
         if n not in graph.name or graph.module[n] != module:
             break
         if graph.name[n] == "aten::cat":
-            other = graph.nodes.iloc[graph.row[n]]
-            same = other["step"] == step and tuple(other["scalars"]) == tuple(row["scalars"])
+            same = step_of[n] == step and tuple(scalars[n]) == tuple(scalars[k_cat])
             return {k_cat, n} if same and len(graph.inputs[n]) == 2 else {k_cat}
     return {k_cat}
 

@@ -35,8 +35,8 @@ KNOWN_OPS = frozenset({
 
 
 def find(graph: Graph) -> list[Match]:
-    is_view = dict(zip(graph.nodes["node"], graph.nodes["is_view"])) if "is_view" in graph.nodes else {}
-    step_of = dict(zip(graph.nodes["node"], graph.nodes["step"]))
+    is_view = graph.column("is_view", False)
+    step_of = graph.column("step")
     matches = []
     for draw in graph.named("aten::multinomial"):
         if graph.module.get(draw):
@@ -69,7 +69,7 @@ def _chain(graph: Graph, draw: int, step_of: dict) -> set[int]:
 def _rejected(graph: Graph, draw: int, group: set[int], is_view: dict) -> str:
     if graph.name.get(graph.producer(draw)) not in ("aten::_softmax", "aten::softmax"):
         return "the draw's probabilities are not a softmax of the warped logits"
-    scalars = graph.nodes["scalars"].iat[graph.row[draw]] if "scalars" in graph.nodes else ()
+    scalars = graph.column("scalars", ())[draw]
     if scalars and str(scalars[0]) != "1":
         return f"{scalars[0]} draws per row; the kernel draws one"
     unknown = sorted({graph.name[n] for n in group if graph.name[n] not in KNOWN_OPS and not is_view.get(n, False)})
