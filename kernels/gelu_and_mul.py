@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 from fusionscope.kernels.dispatch import run
-from fusionscope.kernels.silu_and_mul import _launch, _round, _row_dims
+from fusionscope.kernels.silu_and_mul import _launch, _round, _row_dims, glu_operands
 from torch.library import triton_op, wrap_triton
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -115,33 +115,6 @@ def gelu_and_mul(
     gelu_pytorch_tanh). out: optional preallocated (..., I) buffer of the same dtype. Returns out.
     """
     _check_approximate(approximate, "gelu_and_mul")
-    if gate.dtype not in _DTYPES:
-        raise ValueError(f"gelu_and_mul: gate must be fp32, fp16 or bf16, got {gate.dtype}")
-    if gate.dim() == 0:
-        raise ValueError("gelu_and_mul: gate must have at least one dim")
-    if up is None:
-        if gate.shape[-1] % 2:
-            raise ValueError(
-                f"gelu_and_mul: with up=None, gate's last dim holds gate and up halves and must be even, "
-                f"got shape {tuple(gate.shape)}"
-            )
-        half = gate.shape[-1] // 2
-        gate, up = gate[..., :half], gate[..., half:]
-    elif up.shape != gate.shape:
-        raise ValueError(
-            f"gelu_and_mul: gate and up must have one shape, got {tuple(gate.shape)} and {tuple(up.shape)}"
-        )
-    elif up.dtype != gate.dtype or up.device != gate.device:
-        raise ValueError(
-            f"gelu_and_mul: gate and up must share dtype and device, got {gate.dtype} on {gate.device} "
-            f"and {up.dtype} on {up.device}"
-        )
-    if out is None:
-        out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    elif out.shape != gate.shape or out.dtype != gate.dtype or out.device != gate.device:
-        raise ValueError(
-            f"gelu_and_mul: out must be {tuple(gate.shape)} {gate.dtype} on {gate.device}, "
-            f"got {tuple(out.shape)} {out.dtype} on {out.device}"
-        )
+    gate, up, out = glu_operands("gelu_and_mul", gate, up, out)
     run("gelu_and_mul", _gelu_and_mul_op, gate, up, out, approximate)
     return out

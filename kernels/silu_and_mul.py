@@ -119,6 +119,40 @@ def _silu_and_mul_op(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) ->
 triton_op("fusionscope::silu_and_mul", mutates_args={"out"})(_silu_and_mul_op)
 
 
+def glu_operands(
+    name: str, gate: torch.Tensor, up: torch.Tensor | None, out: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Checked (gate, up, out) of a gated activation: `up=None` splits a fused gate_up output into its two halves
+    (views, no copy); `out` is allocated when None. Shared by silu_and_mul and gelu_and_mul; `name` prefixes errors."""
+    if gate.dtype not in _DTYPES:
+        raise ValueError(f"{name}: gate must be fp32, fp16 or bf16, got {gate.dtype}")
+    if gate.dim() == 0:
+        raise ValueError(f"{name}: gate must have at least one dim")
+    if up is None:
+        if gate.shape[-1] % 2:
+            raise ValueError(
+                f"{name}: with up=None, gate's last dim holds gate and up halves and must be even, "
+                f"got shape {tuple(gate.shape)}"
+            )
+        half = gate.shape[-1] // 2
+        gate, up = gate[..., :half], gate[..., half:]
+    elif up.shape != gate.shape:
+        raise ValueError(f"{name}: gate and up must have one shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    elif up.dtype != gate.dtype or up.device != gate.device:
+        raise ValueError(
+            f"{name}: gate and up must share dtype and device, got {gate.dtype} on {gate.device} "
+            f"and {up.dtype} on {up.device}"
+        )
+    if out is None:
+        out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    elif out.shape != gate.shape or out.dtype != gate.dtype or out.device != gate.device:
+        raise ValueError(
+            f"{name}: out must be {tuple(gate.shape)} {gate.dtype} on {gate.device}, "
+            f"got {tuple(out.shape)} {out.dtype} on {out.device}"
+        )
+    return gate, up, out
+
+
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU in one kernel: `silu(gate) * up`, rounded as eager PyTorch rounds the two ops.
 
@@ -126,33 +160,6 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor | None = None, out: torch.
     up: (..., I) or None; fp32/fp16/bf16, all one dtype and device. out: optional preallocated (..., I) buffer of the
     same dtype. Returns out.
     """
-    if gate.dtype not in _DTYPES:
-        raise ValueError(f"silu_and_mul: gate must be fp32, fp16 or bf16, got {gate.dtype}")
-    if gate.dim() == 0:
-        raise ValueError("silu_and_mul: gate must have at least one dim")
-    if up is None:
-        if gate.shape[-1] % 2:
-            raise ValueError(
-                f"silu_and_mul: with up=None, gate's last dim holds gate and up halves and must be even, "
-                f"got shape {tuple(gate.shape)}"
-            )
-        half = gate.shape[-1] // 2
-        gate, up = gate[..., :half], gate[..., half:]
-    elif up.shape != gate.shape:
-        raise ValueError(
-            f"silu_and_mul: gate and up must have one shape, got {tuple(gate.shape)} and {tuple(up.shape)}"
-        )
-    elif up.dtype != gate.dtype or up.device != gate.device:
-        raise ValueError(
-            f"silu_and_mul: gate and up must share dtype and device, got {gate.dtype} on {gate.device} "
-            f"and {up.dtype} on {up.device}"
-        )
-    if out is None:
-        out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    elif out.shape != gate.shape or out.dtype != gate.dtype or out.device != gate.device:
-        raise ValueError(
-            f"silu_and_mul: out must be {tuple(gate.shape)} {gate.dtype} on {gate.device}, "
-            f"got {tuple(out.shape)} {out.dtype} on {out.device}"
-        )
+    gate, up, out = glu_operands("silu_and_mul", gate, up, out)
     run("silu_and_mul", _silu_and_mul_op, gate, up, out)
     return out
