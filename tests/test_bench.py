@@ -26,6 +26,7 @@ def small_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
         "ROPE_HEADS": (4, 2, 16),
         "ROPE_SHAPES": ((1, 1), (2, 3)),
         "GLU_PREFILL_ROWS": (5,),
+        "CACHE_LEN": 7,
         "QKV": (48, (48, 16, 16), (1, 5)),
         "LINEAR": (40, 72),
     }.items():
@@ -50,6 +51,13 @@ def test_cases_agree_with_the_reference(kernel: str, small_shapes: None) -> None
     for got, want, base in zip(ours, expected, eager):
         assert_close(got, want, torch.float32, scale=10)
         assert_close(base, want, torch.float32, scale=10)
+    if kernel == "rope_and_cache":  # the cache slot holds the rotated k and the plain v
+        from fusionscope.kernels.rope import rope_reference
+
+        slot = inputs["pos"]
+        k_rot = rope_reference(inputs["q"], inputs["k"], inputs["cos"], inputs["sin"])[1]
+        assert_close(inputs["kc"][:, :, slot], k_rot, torch.float32, scale=10)
+        assert torch.equal(inputs["vc"][:, :, slot], inputs["v"])
 
 
 def test_bench_list_needs_no_gpu() -> None:

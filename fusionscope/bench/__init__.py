@@ -61,12 +61,17 @@ def run_bench(
         raise UsageError(f"unknown kernel(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
     device = torch.device("cuda")
     ceilings = get_ceilings(device)
+    # every `compile` variant recompiles once per shape (dynamic=False); dynamo's default limit (8 per function)
+    # would silently fall back to eager for the later shapes of a sweep
+    for knob in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 64))
     rows = []
     for name in names or list(CASES):
         cases = CASES[name]()
         if quick:
             cases = [c for i, c in enumerate(cases) if i == 0 or c.phase != cases[0].phase][:2]
-        module_name = {"qkv": "horizontal"}.get(name, name)
+        module_name = {"qkv": "horizontal", "rope_and_cache": "rope"}.get(name, name)
         jit_fns = [v for v in vars(kernel_module(module_name)).values() if type(v).__name__ == "JITFunction"]
         for case in cases:
             (on_case or (lambda _m: None))(f"{name} {case.label}")
@@ -96,6 +101,9 @@ def run_bench(
                         "gpu_us": timing.gpu_us,
                         "cold_us": timing.cold_us,
                         "host_us": timing.host_us,
+                        "host_vs_empty_launch": (
+                            timing.host_us / ceilings.launch_us if timing.host_us and ceilings.launch_us else None
+                        ),
                         "gbps": gbps,
                         "pct_copy_bw": 100 * gbps / ceilings.copy_gbps if gbps else None,
                         "max_err": _max_error(output, reference),

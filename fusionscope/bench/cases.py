@@ -24,6 +24,7 @@ INTERMEDIATE = 14336
 VOCAB = 128256
 ROPE_HEADS = (32, 8, 128)  # query heads, KV heads, head dim (Llama-3-8B)
 ROPE_SHAPES = ((1, 1), (16, 1), (64, 1), (1, 4096), (8, 4096))  # (batch, sequence)
+CACHE_LEN = 4096  # static KV cache length for rope_and_cache
 GLU_PREFILL_ROWS = (4096, 16384)
 QKV = (4096, (4096, 1024, 1024), (1, 16, 64, 256))  # hidden, output sizes, rows (Llama-3-8B's q, k, v)
 LINEAR = (4096, 16384)  # hidden → intermediate of a GPT-style MLP
@@ -251,6 +252,55 @@ def rope_cases() -> list[Case]:
     return cases
 
 
+def rope_and_cache_cases() -> list[Case]:
+    """Decode: rotate q and k and write k and v into a static cache (S_max 4096) — HF's rope then StaticCache's two
+    index_copy_ calls (3 launches of HF's rope chain aside) vs one launch."""
+    mod = kernel_module("rope")
+    heads, kv_heads, dim = ROPE_HEADS
+    cache_len = CACHE_LEN
+
+    def eager(i: dict[str, Any]) -> torch.Tensor:
+        q, k = hf_rope(i["q"], i["k"], i["cos"], i["sin"])
+        i["kc"].index_copy_(2, i["pos"], k)
+        i["vc"].index_copy_(2, i["pos"], i["v"])
+        return q
+
+    cases = []
+    for batch in (1, 16, 64):
+
+        def build(dev: torch.device, dt: torch.dtype, b: int = batch) -> dict[str, Any]:
+            def proj(h: int) -> torch.Tensor:
+                return torch.randn(b, 1, h, dim, device=dev, dtype=dt).transpose(1, 2)
+
+            angles = torch.rand(b, 1, dim // 2, device=dev) * 6.28
+            emb = torch.cat((angles, angles), dim=-1)
+            return {
+                "q": proj(heads), "k": proj(kv_heads), "v": proj(kv_heads),
+                "cos": emb.cos().to(dt), "sin": emb.sin().to(dt),
+                "kc": torch.randn(b, kv_heads, cache_len, dim, device=dev, dtype=dt),
+                "vc": torch.randn(b, kv_heads, cache_len, dim, device=dev, dtype=dt),
+                "pos": torch.tensor([cache_len // 2 + 1], device=dev),
+            }  # fmt: skip
+
+        cases.append(
+            Case(
+                "rope_and_cache",
+                f"B{batch} S1 H{heads}/{kv_heads} D{dim} cache{cache_len}",
+                "decode",
+                build=build,
+                traffic=lambda i: 2 * nbytes(i["q"], i["k"], i["v"]) + nbytes(i["cos"], i["sin"]),
+                variants={
+                    "eager": eager,
+                    "fusionscope": lambda i: mod.rope_and_cache(
+                        i["q"], i["k"], i["v"], i["cos"], i["sin"], i["kc"], i["vc"], i["pos"]
+                    ),
+                },
+                reference=lambda i: mod.rope_reference(*(_f64(i)[n] for n in ("q", "k", "cos", "sin")))[0],
+            )
+        )
+    return cases
+
+
 def add_layer_norm_cases() -> list[Case]:
     mod = kernel_module("add_layer_norm")
     liger = _liger("layer_norm", "LigerLayerNormFunction")
@@ -428,6 +478,7 @@ CASES: dict[str, Callable[[], list[Case]]] = {
     "silu_and_mul": silu_and_mul_cases,
     "gelu_and_mul": gelu_and_mul_cases,
     "rope": rope_cases,
+    "rope_and_cache": rope_and_cache_cases,
     "add_layer_norm": add_layer_norm_cases,
     "bias_gelu": bias_gelu_cases,
     "linear_act": linear_act_cases,
