@@ -264,12 +264,17 @@ def print_summary(summary: dict) -> None:
     )
     if summary.get("opportunities"):
         opp_table = Table(title="fusion opportunities (per step; speedups end to end for the phase)")
-        for col in ("fusion", "phase", "count", "µs now", "µs fused", "launches", "GPU ×", "wall ×", "confidence"):
+        columns = ("fusion", "phase", "count", "µs now", "µs fused", "micro now→fused", "launches", "GPU ×", "wall ×",
+                   "confidence")  # fmt: skip
+        for col in columns:
             opp_table.add_column(col, justify="left" if col in ("fusion", "phase", "confidence") else "right")
         for opp in summary["opportunities"]:
             opp_table.add_row(
                 opp["fusion"], opp["phase"], fmt(opp["count"], ".0f"), fmt(opp["t_now_us"], ".1f"),
-                fmt(opp["t_fused_us"], ".1f"), f"{opp['launches_now']:.0f}→{opp['launches_fused']:.0f}",
+                fmt(opp["t_fused_us"], ".1f"),
+                f"{fmt(opp.get('micro_now_us'), '.1f')}→{fmt(opp.get('micro_fused_us'), '.1f')}"
+                if opp.get("micro_now_us") is not None else "",
+                f"{opp['launches_now']:.0f}→{opp['launches_fused']:.0f}",
                 fmt(opp["speedup_gpu"], ".3f"), fmt(opp["speedup_wall"], ".3f"), opp["confidence"],
             )  # fmt: skip
         out.print(opp_table)

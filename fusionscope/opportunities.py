@@ -22,7 +22,8 @@ from fusionscope.fusions import Match
 ELEMENT_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "int16": 2,
                  "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}  # fmt: skip
 COLUMNS = ["fusion", "phase", "count", "module_paths", "t_now_us", "t_fused_us", "saved_us", "bytes_now", "bytes_fused",
-           "launches_now", "launches_fused", "speedup_gpu", "speedup_wall", "confidence", "reason"]  # fmt: skip
+           "launches_now", "launches_fused", "speedup_gpu", "speedup_wall", "confidence", "reason", "micro_now_us",
+           "micro_fused_us", "micro_note"]  # fmt: skip
 
 
 PER_STEP = ("t_now_us", "t_fused_us", "bytes_now", "bytes_fused", "launches_now", "launches_fused", "ops_now")

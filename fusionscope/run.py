@@ -95,7 +95,7 @@ def profile(
 
     `sample=True` picks each next token as `generate(do_sample=True)` does (temperature → top-k → top-p → draw)
     instead of by argmax."""
-    from fusionscope import analysis, capture, dataflow, models, opportunities, trace
+    from fusionscope import analysis, capture, dataflow, micro, models, opportunities, trace
     from fusionscope.device import get_ceilings, software_versions
     from fusionscope.fusions import Graph, find_matches
 
@@ -144,9 +144,9 @@ def profile(
         ops_per_step = timeline.ops.groupby("phase").size() / timeline.steps.groupby("phase").size()
         note("matching the fusion catalogue on the dataflow and estimating each fusion")
         joined = dataflow.join_dataflow(nodes, timeline.ops)
-        per_match = opportunities.estimate_matches(
-            find_matches(Graph(joined)), joined, timeline.ops, kernels, ceilings.to_json()
-        )
+        graph = Graph(joined)
+        matches = find_matches(graph)
+        per_match = opportunities.estimate_matches(matches, joined, timeline.ops, kernels, ceilings.to_json())
         summary = {
             "schema": SCHEMA_VERSION,
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -168,6 +168,9 @@ def profile(
         summary["opportunities"], summary["cumulative"] = opportunities.summarize_opportunities(
             per_match, summary["phases"], summary["roofs"]
         )
+        if dev.type == "cuda" and summary["opportunities"]:
+            note("timing the bundled kernels alone on the shapes found (micro-measured column)")
+        micro.micro_measure(summary["opportunities"], graph, matches, dev, torch_dtype)
         note("writing the run folder")
         write_tables(tmp, kernels, timeline.ops)
         opportunities.opportunities_table(summary["opportunities"]).to_csv(

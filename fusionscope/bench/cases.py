@@ -9,6 +9,7 @@ read once, each output written once — which is what GB/s and % of copy bandwid
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -70,6 +71,16 @@ def _rows_sweep() -> Iterator[tuple[str, int, int]]:
             yield ("decode" if rows in DECODE_ROWS else "prefill"), rows, hidden
 
 
+def _phase(rows: int) -> str:
+    return "decode" if rows <= max(DECODE_ROWS) else "prefill"
+
+
+@functools.cache
+def _compiled(fn: Callable) -> Callable:
+    """One torch.compile wrapper per baseline function, specialised per shape (dynamic=False)."""
+    return torch.compile(fn, dynamic=False)
+
+
 def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """LlamaRMSNorm.forward as Hugging Face writes it (the unfused baseline)."""
     dtype = x.dtype
@@ -79,40 +90,47 @@ def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return weight * h.to(dtype)
 
 
-def _compiled(fn: Callable) -> Callable:
-    return torch.compile(fn, dynamic=False)
+def _hf_add_rms_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    h = x + r
+    return hf_rms_norm(h, w, EPS), h
 
 
-def rms_norm_cases() -> list[Case]:
-    mod = kernel_module("rms_norm")
-    liger = _liger("rms_norm", "LigerRMSNormFunction")
-    compiled = _compiled(hf_rms_norm)
-    cases = []
-    for phase, rows, hidden in _rows_sweep():
-        variants: dict[str, Callable] = {
-            "eager": lambda i: hf_rms_norm(i["x"], i["w"], EPS),
-            "compile": lambda i: compiled(i["x"], i["w"], EPS),
-            "torch": lambda i: F.rms_norm(i["x"], (i["x"].shape[-1],), i["w"], EPS),
-            "fusionscope": lambda i: mod.rms_norm(i["x"], i["w"], EPS, out=i["out"]),
+def _norm_inputs(rows: int, hidden: int, names: str) -> Callable[[torch.device, torch.dtype], dict[str, Any]]:
+    """Inputs of a (rows, hidden) norm: `names` picks x, r (residual), w (weight), b (bias), out, res buffers."""
+
+    def build(dev: torch.device, dt: torch.dtype) -> dict[str, Any]:
+        make = {
+            "x": lambda: torch.randn(rows, hidden, device=dev, dtype=dt),
+            "r": lambda: torch.randn(rows, hidden, device=dev, dtype=dt),
+            "w": lambda: torch.rand(hidden, device=dev, dtype=dt) + 0.5,
+            "b": lambda: torch.randn(hidden, device=dev, dtype=dt),
+            "out": lambda: torch.empty(rows, hidden, device=dev, dtype=dt),
+            "res": lambda: torch.empty(rows, hidden, device=dev, dtype=dt),
         }
-        if liger:
-            variants["liger"] = lambda i, f=liger: f.apply(i["x"], i["w"], EPS, 0.0, "llama", False)
-        cases.append(
-            Case(
-                "rms_norm",
-                f"{rows}x{hidden}",
-                phase,
-                build=lambda dev, dt, r=rows, h=hidden: {
-                    "x": torch.randn(r, h, device=dev, dtype=dt),
-                    "w": torch.rand(h, device=dev, dtype=dt) + 0.5,
-                    "out": torch.empty(r, h, device=dev, dtype=dt),
-                },
-                traffic=lambda i: nbytes(i["x"], i["w"]) + nbytes(i["x"]),
-                variants=variants,
-                reference=lambda i: mod.rms_norm_reference(**_ref_args(_f64(i), ("x", "w")), eps=EPS),
-            )
-        )
-    return cases
+        return {name: make[name]() for name in names.split()}
+
+    return build
+
+
+def rms_norm_case(rows: int, hidden: int) -> Case:
+    mod = kernel_module("rms_norm")
+    variants: dict[str, Callable] = {
+        "eager": lambda i: hf_rms_norm(i["x"], i["w"], EPS),
+        "compile": lambda i: _compiled(hf_rms_norm)(i["x"], i["w"], EPS),
+        "torch": lambda i: F.rms_norm(i["x"], (i["x"].shape[-1],), i["w"], EPS),
+        "fusionscope": lambda i: mod.rms_norm(i["x"], i["w"], EPS, out=i["out"]),
+    }
+    if liger := _liger("rms_norm", "LigerRMSNormFunction"):
+        variants["liger"] = lambda i: liger.apply(i["x"], i["w"], EPS, 0.0, "llama", False)
+    return Case(
+        "rms_norm",
+        f"{rows}x{hidden}",
+        _phase(rows),
+        build=_norm_inputs(rows, hidden, "x w out"),
+        traffic=lambda i: nbytes(i["x"], i["w"]) + nbytes(i["x"]),
+        variants=variants,
+        reference=lambda i: mod.rms_norm_reference(**_ref_args(_f64(i), ("x", "w")), eps=EPS),
+    )
 
 
 def _ref_args(inputs: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
@@ -120,92 +138,64 @@ def _ref_args(inputs: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
     return {names[k]: inputs[k] for k in keys}
 
 
-def add_rms_norm_cases() -> list[Case]:
+def add_rms_norm_case(rows: int, hidden: int) -> Case:
     mod = kernel_module("add_rms_norm")
-    liger = _liger("fused_add_rms_norm", "LigerFusedAddRMSNormFunction")
-
-    def eager(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = x + r
-        return hf_rms_norm(h, w, EPS), h
-
-    compiled = _compiled(eager)
-    cases = []
-    for phase, rows, hidden in _rows_sweep():
-        variants: dict[str, Callable] = {
-            "eager": lambda i: eager(i["x"], i["r"], i["w"]),
-            "compile": lambda i: compiled(i["x"], i["r"], i["w"]),
-            "torch": lambda i: F.rms_norm(i["x"] + i["r"], (i["x"].shape[-1],), i["w"], EPS),
-            "fusionscope": lambda i: mod.add_rms_norm(i["x"], i["r"], i["w"], EPS, out=(i["out"], i["res"])),
-        }
-        if liger:
-            variants["liger"] = lambda i, f=liger: f.apply(i["x"], i["r"], i["w"], EPS, 0.0, "llama", False)
-        cases.append(
-            Case(
-                "add_rms_norm",
-                f"{rows}x{hidden}",
-                phase,
-                build=lambda dev, dt, r=rows, h=hidden: {
-                    "x": torch.randn(r, h, device=dev, dtype=dt),
-                    "r": torch.randn(r, h, device=dev, dtype=dt),
-                    "w": torch.rand(h, device=dev, dtype=dt) + 0.5,
-                    "out": torch.empty(r, h, device=dev, dtype=dt),
-                    "res": torch.empty(r, h, device=dev, dtype=dt),
-                },
-                traffic=lambda i: 4 * nbytes(i["x"]) + nbytes(i["w"]),
-                variants=variants,
-                reference=lambda i: mod.add_rms_norm_reference(**_ref_args(_f64(i), ("x", "r", "w")), eps=EPS),
-            )
-        )
-    return cases
+    variants: dict[str, Callable] = {
+        "eager": lambda i: _hf_add_rms_norm(i["x"], i["r"], i["w"]),
+        "compile": lambda i: _compiled(_hf_add_rms_norm)(i["x"], i["r"], i["w"]),
+        "torch": lambda i: F.rms_norm(i["x"] + i["r"], (i["x"].shape[-1],), i["w"], EPS),
+        "fusionscope": lambda i: mod.add_rms_norm(i["x"], i["r"], i["w"], EPS, out=(i["out"], i["res"])),
+    }
+    if liger := _liger("fused_add_rms_norm", "LigerFusedAddRMSNormFunction"):
+        variants["liger"] = lambda i: liger.apply(i["x"], i["r"], i["w"], EPS, 0.0, "llama", False)
+    return Case(
+        "add_rms_norm",
+        f"{rows}x{hidden}",
+        _phase(rows),
+        build=_norm_inputs(rows, hidden, "x r w out res"),
+        traffic=lambda i: 4 * nbytes(i["x"]) + nbytes(i["w"]),
+        variants=variants,
+        reference=lambda i: mod.add_rms_norm_reference(**_ref_args(_f64(i), ("x", "r", "w")), eps=EPS),
+    )
 
 
-def _glu_cases(
-    name: str, act: Callable[[torch.Tensor], torch.Tensor], liger: Callable | None, extra: dict[str, Any]
-) -> list[Case]:
+def _silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return F.silu(g) * u
+
+
+def _gelu_tanh_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return F.gelu(g, approximate="tanh") * u
+
+
+GLU = {  # kernel → (HF's eager form, Liger's op, extra kernel arguments)
+    "silu_and_mul": (_silu_mul, ("swiglu", "LigerSiLUMulFunction"), {}),
+    "gelu_and_mul": (_gelu_tanh_mul, ("geglu", "LigerGELUMulFunction"), {"approximate": "tanh"}),
+}
+
+
+def glu_case(name: str, rows: int, width: int) -> Case:
     mod = kernel_module(name)
     fused = getattr(mod, name)
-
-    def eager(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        return act(g) * u
-
-    compiled = _compiled(eager)
-    cases = []
-    for rows in (*DECODE_ROWS, *GLU_PREFILL_ROWS):
-        variants: dict[str, Callable] = {
-            "eager": lambda i: eager(i["g"], i["u"]),
-            "compile": lambda i: compiled(i["g"], i["u"]),
-            "fusionscope": lambda i: fused(i["g"], i["u"], out=i["out"], **extra),
-        }
-        if liger:
-            variants["liger"] = lambda i, f=liger: f.apply(i["g"], i["u"])
-        cases.append(
-            Case(
-                name,
-                f"{rows}x{INTERMEDIATE}",
-                "decode" if rows in DECODE_ROWS else "prefill",
-                build=lambda dev, dt, r=rows: {
-                    "g": torch.randn(r, INTERMEDIATE, device=dev, dtype=dt),
-                    "u": torch.randn(r, INTERMEDIATE, device=dev, dtype=dt),
-                    "out": torch.empty(r, INTERMEDIATE, device=dev, dtype=dt),
-                },
-                traffic=lambda i: 3 * nbytes(i["g"]),
-                variants=variants,
-                reference=lambda i: getattr(mod, f"{name}_reference")(_f64(i)["g"], _f64(i)["u"], **extra),
-            )
-        )
-    return cases
-
-
-def silu_and_mul_cases() -> list[Case]:
-    return _glu_cases("silu_and_mul", F.silu, _liger("swiglu", "LigerSiLUMulFunction"), {})
-
-
-def gelu_and_mul_cases() -> list[Case]:
-    return _glu_cases(
-        "gelu_and_mul",
-        lambda g: F.gelu(g, approximate="tanh"),
-        _liger("geglu", "LigerGELUMulFunction"),
-        {"approximate": "tanh"},
+    eager, liger_name, extra = GLU[name]
+    variants: dict[str, Callable] = {
+        "eager": lambda i: eager(i["g"], i["u"]),
+        "compile": lambda i: _compiled(eager)(i["g"], i["u"]),
+        "fusionscope": lambda i: fused(i["g"], i["u"], out=i["out"], **extra),
+    }
+    if liger := _liger(*liger_name):
+        variants["liger"] = lambda i: liger.apply(i["g"], i["u"])
+    return Case(
+        name,
+        f"{rows}x{width}",
+        _phase(rows),
+        build=lambda dev, dt: {
+            "g": torch.randn(rows, width, device=dev, dtype=dt),
+            "u": torch.randn(rows, width, device=dev, dtype=dt),
+            "out": torch.empty(rows, width, device=dev, dtype=dt),
+        },
+        traffic=lambda i: 3 * nbytes(i["g"]),
+        variants=variants,
+        reference=lambda i: getattr(mod, f"{name}_reference")(_f64(i)["g"], _f64(i)["u"], **extra),
     )
 
 
@@ -215,49 +205,47 @@ def hf_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return apply_rotary_pos_emb(q, k, cos, sin)
 
 
-def rope_cases() -> list[Case]:
+def _rope_inputs(batch: int, seq: int, heads: int, kv_heads: int, dim: int, dev: torch.device, dt: torch.dtype):
+    """q, k (and v) as Hugging Face produces them: (B, S, H, D) projections viewed as (B, H, S, D); cos, sin."""
+
+    def proj(h: int) -> torch.Tensor:
+        return torch.randn(batch, seq, h, dim, device=dev, dtype=dt).transpose(1, 2)
+
+    angles = torch.rand(batch, seq, dim // 2, device=dev) * 6.28
+    emb = torch.cat((angles, angles), dim=-1)
+    return {
+        "q": proj(heads),
+        "k": proj(kv_heads),
+        "v": proj(kv_heads),
+        "cos": emb.cos().to(dt),
+        "sin": emb.sin().to(dt),
+    }
+
+
+def rope_case(batch: int, seq: int, heads: int, kv_heads: int, dim: int) -> Case:
     mod = kernel_module("rope")
-    liger = _liger("rope", "LigerRopeFunction")
-    compiled = _compiled(hf_rope)
-    heads, kv_heads, dim = ROPE_HEADS
-    cases = []
-    for batch, seq in ROPE_SHAPES:
-        variants: dict[str, Callable] = {
-            "eager": lambda i: hf_rope(i["q"], i["k"], i["cos"], i["sin"]),
-            "compile": lambda i: compiled(i["q"], i["k"], i["cos"], i["sin"]),
-            "fusionscope": lambda i: mod.rope(i["q"], i["k"], i["cos"], i["sin"]),
-        }
-        if liger:
-            variants["liger"] = lambda i, f=liger: f.apply(i["q"], i["k"], i["cos"], i["sin"])
-
-        def build(dev: torch.device, dt: torch.dtype, b: int = batch, s: int = seq) -> dict[str, Any]:
-            # q, k as Hugging Face produces them: (B, S, H, D) projections viewed as (B, H, S, D)
-            q = torch.randn(b, s, heads, dim, device=dev, dtype=dt).transpose(1, 2)
-            k = torch.randn(b, s, kv_heads, dim, device=dev, dtype=dt).transpose(1, 2)
-            angles = torch.rand(b, s, dim // 2, device=dev) * 6.28
-            emb = torch.cat((angles, angles), dim=-1)
-            return {"q": q, "k": k, "cos": emb.cos().to(dt), "sin": emb.sin().to(dt)}
-
-        cases.append(
-            Case(
-                "rope",
-                f"B{batch} S{seq} H{heads}/{kv_heads} D{dim}",
-                "decode" if seq == 1 else "prefill",
-                build=build,
-                traffic=lambda i: 2 * nbytes(i["q"], i["k"]) + nbytes(i["cos"], i["sin"]),
-                variants=variants,
-                reference=lambda i: mod.rope_reference(**{k: v for k, v in _f64(i).items()}),
-            )
-        )
-    return cases
+    variants: dict[str, Callable] = {
+        "eager": lambda i: hf_rope(i["q"], i["k"], i["cos"], i["sin"]),
+        "compile": lambda i: _compiled(hf_rope)(i["q"], i["k"], i["cos"], i["sin"]),
+        "fusionscope": lambda i: mod.rope(i["q"], i["k"], i["cos"], i["sin"]),
+    }
+    if liger := _liger("rope", "LigerRopeFunction"):
+        variants["liger"] = lambda i: liger.apply(i["q"], i["k"], i["cos"], i["sin"])
+    return Case(
+        "rope",
+        f"B{batch} S{seq} H{heads}/{kv_heads} D{dim}",
+        "decode" if seq == 1 else "prefill",
+        build=lambda dev, dt: _rope_inputs(batch, seq, heads, kv_heads, dim, dev, dt),
+        traffic=lambda i: 2 * nbytes(i["q"], i["k"]) + nbytes(i["cos"], i["sin"]),
+        variants=variants,
+        reference=lambda i: mod.rope_reference(*(_f64(i)[n] for n in ("q", "k", "cos", "sin"))),
+    )
 
 
-def rope_and_cache_cases() -> list[Case]:
-    """Decode: rotate q and k and write k and v into a static cache (S_max 4096) — HF's rope then StaticCache's two
-    index_copy_ calls (3 launches of HF's rope chain aside) vs one launch."""
+def rope_and_cache_case(batch: int, heads: int, kv_heads: int, dim: int, cache_len: int) -> Case:
+    """Decode: rotate q and k and write k and v into a static cache — HF's rope then StaticCache's two
+    index_copy_ calls vs one launch."""
     mod = kernel_module("rope")
-    heads, kv_heads, dim = ROPE_HEADS
-    cache_len = CACHE_LEN
 
     def eager(i: dict[str, Any]) -> torch.Tensor:
         q, k = hf_rope(i["q"], i["k"], i["cos"], i["sin"])
@@ -265,138 +253,97 @@ def rope_and_cache_cases() -> list[Case]:
         i["vc"].index_copy_(2, i["pos"], i["v"])
         return q
 
-    cases = []
-    for batch in (1, 16, 64):
-
-        def build(dev: torch.device, dt: torch.dtype, b: int = batch) -> dict[str, Any]:
-            def proj(h: int) -> torch.Tensor:
-                return torch.randn(b, 1, h, dim, device=dev, dtype=dt).transpose(1, 2)
-
-            angles = torch.rand(b, 1, dim // 2, device=dev) * 6.28
-            emb = torch.cat((angles, angles), dim=-1)
-            return {
-                "q": proj(heads), "k": proj(kv_heads), "v": proj(kv_heads),
-                "cos": emb.cos().to(dt), "sin": emb.sin().to(dt),
-                "kc": torch.randn(b, kv_heads, cache_len, dim, device=dev, dtype=dt),
-                "vc": torch.randn(b, kv_heads, cache_len, dim, device=dev, dtype=dt),
-                "pos": torch.tensor([cache_len // 2 + 1], device=dev),
-            }  # fmt: skip
-
-        cases.append(
-            Case(
-                "rope_and_cache",
-                f"B{batch} S1 H{heads}/{kv_heads} D{dim} cache{cache_len}",
-                "decode",
-                build=build,
-                traffic=lambda i: 2 * nbytes(i["q"], i["k"], i["v"]) + nbytes(i["cos"], i["sin"]),
-                variants={
-                    "eager": eager,
-                    "fusionscope": lambda i: mod.rope_and_cache(
-                        i["q"], i["k"], i["v"], i["cos"], i["sin"], i["kc"], i["vc"], i["pos"]
-                    ),
-                },
-                reference=lambda i: mod.rope_reference(*(_f64(i)[n] for n in ("q", "k", "cos", "sin")))[0],
-            )
-        )
-    return cases
-
-
-def add_layer_norm_cases() -> list[Case]:
-    mod = kernel_module("add_layer_norm")
-    liger = _liger("layer_norm", "LigerLayerNormFunction")
-
-    def eager(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, b: torch.Tensor):
-        h = x + r
-        return F.layer_norm(h, (h.shape[-1],), w, b, EPS), h
-
-    compiled = _compiled(eager)
-    cases = []
-    for phase, rows, hidden in _rows_sweep():
-        variants: dict[str, Callable] = {
-            "eager": lambda i: eager(i["x"], i["r"], i["w"], i["b"]),
-            "compile": lambda i: compiled(i["x"], i["r"], i["w"], i["b"]),
-            "fusionscope": lambda i: mod.add_layer_norm(i["x"], i["r"], i["w"], i["b"], EPS),
+    def build(dev: torch.device, dt: torch.dtype) -> dict[str, Any]:
+        return {
+            **_rope_inputs(batch, 1, heads, kv_heads, dim, dev, dt),
+            "kc": torch.randn(batch, kv_heads, cache_len, dim, device=dev, dtype=dt),
+            "vc": torch.randn(batch, kv_heads, cache_len, dim, device=dev, dtype=dt),
+            "pos": torch.tensor([cache_len // 2 + 1], device=dev),
         }
-        if liger:
-            variants["liger"] = lambda i, f=liger: f.apply(i["x"] + i["r"], i["w"], i["b"], EPS)
-        cases.append(
-            Case(
-                "add_layer_norm",
-                f"{rows}x{hidden}",
-                phase,
-                build=lambda dev, dt, r=rows, h=hidden: {
-                    "x": torch.randn(r, h, device=dev, dtype=dt),
-                    "r": torch.randn(r, h, device=dev, dtype=dt),
-                    "w": torch.rand(h, device=dev, dtype=dt) + 0.5,
-                    "b": torch.randn(h, device=dev, dtype=dt),
-                },
-                traffic=lambda i: 4 * nbytes(i["x"]) + nbytes(i["w"], i["b"]),
-                variants=variants,
-                reference=lambda i: mod.add_layer_norm_reference(**_ref_args(_f64(i), ("x", "r", "w", "b")), eps=EPS),
-            )
-        )
-    return cases
+
+    return Case(
+        "rope_and_cache",
+        f"B{batch} S1 H{heads}/{kv_heads} D{dim} cache{cache_len}",
+        "decode",
+        build=build,
+        traffic=lambda i: 2 * nbytes(i["q"], i["k"], i["v"]) + nbytes(i["cos"], i["sin"]),
+        variants={
+            "eager": eager,
+            "fusionscope": lambda i: mod.rope_and_cache(
+                *(i[n] for n in ("q", "k", "v", "cos", "sin", "kc", "vc", "pos"))
+            ),
+        },
+        reference=lambda i: mod.rope_reference(*(_f64(i)[n] for n in ("q", "k", "cos", "sin")))[0],
+    )
 
 
-def bias_gelu_cases() -> list[Case]:
+def _hf_add_layer_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, b: torch.Tensor):
+    h = x + r
+    return F.layer_norm(h, (h.shape[-1],), w, b, EPS), h
+
+
+def add_layer_norm_case(rows: int, hidden: int) -> Case:
+    mod = kernel_module("add_layer_norm")
+    variants: dict[str, Callable] = {
+        "eager": lambda i: _hf_add_layer_norm(i["x"], i["r"], i["w"], i["b"]),
+        "compile": lambda i: _compiled(_hf_add_layer_norm)(i["x"], i["r"], i["w"], i["b"]),
+        "fusionscope": lambda i: mod.add_layer_norm(i["x"], i["r"], i["w"], i["b"], EPS),
+    }
+    if liger := _liger("layer_norm", "LigerLayerNormFunction"):
+        variants["liger"] = lambda i: liger.apply(i["x"] + i["r"], i["w"], i["b"], EPS)
+    return Case(
+        "add_layer_norm",
+        f"{rows}x{hidden}",
+        _phase(rows),
+        build=_norm_inputs(rows, hidden, "x r w b"),
+        traffic=lambda i: 4 * nbytes(i["x"]) + nbytes(i["w"], i["b"]),
+        variants=variants,
+        reference=lambda i: mod.add_layer_norm_reference(**_ref_args(_f64(i), ("x", "r", "w", "b")), eps=EPS),
+    )
+
+
+def _bias_gelu_tanh(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x + b, approximate="tanh")
+
+
+def bias_gelu_case(rows: int, width: int) -> Case:
     mod = kernel_module("bias_gelu")
-
-    def eager(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return F.gelu(x + b, approximate="tanh")
-
-    compiled = _compiled(eager)
-    cases = []
-    for phase, rows, hidden in _rows_sweep():
-        width = 4 * hidden  # GPT-2-style MLP: the activation runs on the 4×hidden intermediate
-        if rows == max(PREFILL_ROWS) and rows > 4096:
-            continue  # 32768 × 32768 is 2 GiB per bf16 tensor; the 4096-row case is already memory-bound
-        cases.append(
-            Case(
-                "bias_gelu",
-                f"{rows}x{width}",
-                phase,
-                build=lambda dev, dt, r=rows, n=width: {
-                    "x": torch.randn(r, n, device=dev, dtype=dt),
-                    "b": torch.randn(n, device=dev, dtype=dt),
-                },
-                traffic=lambda i: 2 * nbytes(i["x"]) + nbytes(i["b"]),
-                variants={
-                    "eager": lambda i: eager(i["x"], i["b"]),
-                    "compile": lambda i: compiled(i["x"], i["b"]),
-                    "fusionscope": lambda i: mod.bias_gelu(i["x"], i["b"], approximate="tanh"),
-                },
-                reference=lambda i: mod.bias_gelu_reference(_f64(i)["x"], _f64(i)["b"], approximate="tanh"),
-            )
-        )
-    return cases
+    return Case(
+        "bias_gelu",
+        f"{rows}x{width}",
+        _phase(rows),
+        build=lambda dev, dt: {
+            "x": torch.randn(rows, width, device=dev, dtype=dt),
+            "b": torch.randn(width, device=dev, dtype=dt),
+        },
+        traffic=lambda i: 2 * nbytes(i["x"]) + nbytes(i["b"]),
+        variants={
+            "eager": lambda i: _bias_gelu_tanh(i["x"], i["b"]),
+            "compile": lambda i: _compiled(_bias_gelu_tanh)(i["x"], i["b"]),
+            "fusionscope": lambda i: mod.bias_gelu(i["x"], i["b"], approximate="tanh"),
+        },
+        reference=lambda i: mod.bias_gelu_reference(_f64(i)["x"], _f64(i)["b"], approximate="tanh"),
+    )
 
 
-def linear_act_cases() -> list[Case]:
+def linear_act_case(rows: int, hidden: int, width: int, activation: str = "gelu_tanh") -> Case:
     mod = kernel_module("linear_act")
-    cases = []
-    for rows in (*DECODE_ROWS, PREFILL_ROWS[0]):
-        hidden, width = LINEAR
-        cases.append(
-            Case(
-                "linear_act",
-                f"{rows}x{hidden}->{width} gelu_tanh",
-                "decode" if rows in DECODE_ROWS else "prefill",
-                build=lambda dev, dt, r=rows, h=hidden, n=width: {
-                    "x": torch.randn(r, h, device=dev, dtype=dt),
-                    "w": torch.randn(n, h, device=dev, dtype=dt) / h**0.5,
-                    "b": torch.randn(n, device=dev, dtype=dt),
-                },
-                traffic=lambda i: (
-                    nbytes(i["x"], i["w"], i["b"]) + i["x"].shape[0] * i["w"].shape[0] * i["x"].element_size()
-                ),
-                variants={
-                    "eager": lambda i: mod.linear_act_unfused(i["x"], i["w"], i["b"], "gelu_tanh"),
-                    "fusionscope": lambda i: mod.linear_act(i["x"], i["w"], i["b"], "gelu_tanh"),
-                },
-                reference=lambda i: mod.linear_act_reference(_f64(i)["x"], _f64(i)["w"], _f64(i)["b"], "gelu_tanh"),
-            )
-        )
-    return cases
+    return Case(
+        "linear_act",
+        f"{rows}x{hidden}->{width} {activation}",
+        _phase(rows),
+        build=lambda dev, dt: {
+            "x": torch.randn(rows, hidden, device=dev, dtype=dt),
+            "w": torch.randn(width, hidden, device=dev, dtype=dt) / hidden**0.5,
+            "b": torch.randn(width, device=dev, dtype=dt),
+        },
+        traffic=lambda i: nbytes(i["x"], i["w"], i["b"]) + i["x"].shape[0] * i["w"].shape[0] * i["x"].element_size(),
+        variants={
+            "eager": lambda i: mod.linear_act_unfused(i["x"], i["w"], i["b"], activation),
+            "fusionscope": lambda i: mod.linear_act(i["x"], i["w"], i["b"], activation),
+        },
+        reference=lambda i: mod.linear_act_reference(_f64(i)["x"], _f64(i)["w"], _f64(i)["b"], activation),
+    )
 
 
 def hf_sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -413,63 +360,107 @@ def hf_sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float
     return torch.multinomial(F.softmax(scores, dim=-1), num_samples=1).squeeze(1)
 
 
-def sample_cases() -> list[Case]:
+SAMPLING = {"temperature": 0.7, "top_k": 50, "top_p": 0.9}
+
+
+def sample_case(batch: int, vocab: int, settings: dict[str, float] | None = None) -> Case:
     mod = kernel_module("sample")
-    settings = {"temperature": 0.7, "top_k": 50, "top_p": 0.9}
-    cases = []
-    for batch in (1, 64):
-        cases.append(
-            Case(
-                "sample",
-                f"B{batch} V{VOCAB} T0.7 k50 p0.9",
-                "decode",
-                build=lambda dev, dt, b=batch: {"logits": torch.randn(b, VOCAB, device=dev, dtype=dt) * 3},
-                traffic=lambda i: nbytes(i["logits"]) + i["logits"].shape[0] * 8,
-                variants={
-                    "eager": lambda i: hf_sample(i["logits"].float(), **settings),
-                    "fusionscope": lambda i: mod.sample(i["logits"], **settings),
-                },
-                extra={"settings": settings},
-            )
-        )
-    return cases
+    settings = settings or SAMPLING
+    t, k, p = settings["temperature"], settings["top_k"], settings["top_p"]
+    return Case(
+        "sample",
+        f"B{batch} V{vocab} T{t:g} k{k} p{p:g}",
+        "decode",
+        build=lambda dev, dt: {"logits": torch.randn(batch, vocab, device=dev, dtype=dt) * 3},
+        traffic=lambda i: nbytes(i["logits"]) + i["logits"].shape[0] * 8,
+        variants={
+            "eager": lambda i: hf_sample(i["logits"].float(), **settings),
+            "fusionscope": lambda i: mod.sample(i["logits"], **settings),
+        },
+        extra={"settings": settings},
+    )
+
+
+def horizontal_case(kernel: str, rows: int, hidden: int, sizes: tuple[int, ...]) -> Case:
+    """n Linears on one input (q/k/v, gate/up) as n GEMMs vs one GEMM over the concatenated weights."""
+    mod = kernel_module("horizontal")
+
+    def build(dev: torch.device, dt: torch.dtype) -> dict[str, Any]:
+        linears = [torch.nn.Linear(hidden, n, bias=False, device=dev, dtype=dt) for n in sizes]
+        separate = [torch.nn.Linear(hidden, n, bias=False, device=dev, dtype=dt) for n in sizes]
+        for a, b in zip(separate, linears):
+            a.weight.data.copy_(b.weight.data)
+        return {"x": torch.randn(rows, hidden, device=dev, dtype=dt), "separate": separate,
+                "fused": mod.fuse_linears(linears)}  # fmt: skip
+
+    return Case(
+        kernel,
+        f"{rows}x{hidden}->{'+'.join(map(str, sizes))}",
+        _phase(rows),
+        build=build,
+        traffic=lambda i: (
+            nbytes(i["x"])
+            + sum(nbytes(lin.weight) for lin in i["separate"])
+            + rows * sum(sizes) * i["x"].element_size()
+        ),
+        variants={
+            "eager": lambda i: tuple(lin(i["x"]) for lin in i["separate"]),
+            "fusionscope": lambda i: i["fused"](i["x"]),
+        },
+    )
+
+
+def _rows_sweep() -> Iterator[tuple[int, int]]:
+    for hidden in HIDDEN:
+        for rows in DECODE_ROWS + PREFILL_ROWS:
+            yield rows, hidden
+
+
+def rms_norm_cases() -> list[Case]:
+    return [rms_norm_case(rows, hidden) for rows, hidden in _rows_sweep()]
+
+
+def add_rms_norm_cases() -> list[Case]:
+    return [add_rms_norm_case(rows, hidden) for rows, hidden in _rows_sweep()]
+
+
+def silu_and_mul_cases() -> list[Case]:
+    return [glu_case("silu_and_mul", rows, INTERMEDIATE) for rows in (*DECODE_ROWS, *GLU_PREFILL_ROWS)]
+
+
+def gelu_and_mul_cases() -> list[Case]:
+    return [glu_case("gelu_and_mul", rows, INTERMEDIATE) for rows in (*DECODE_ROWS, *GLU_PREFILL_ROWS)]
+
+
+def rope_cases() -> list[Case]:
+    return [rope_case(batch, seq, *ROPE_HEADS) for batch, seq in ROPE_SHAPES]
+
+
+def rope_and_cache_cases() -> list[Case]:
+    return [rope_and_cache_case(batch, *ROPE_HEADS, CACHE_LEN) for batch in DECODE_ROWS]
+
+
+def add_layer_norm_cases() -> list[Case]:
+    return [add_layer_norm_case(rows, hidden) for rows, hidden in _rows_sweep()]
+
+
+def bias_gelu_cases() -> list[Case]:
+    # GPT-2-style MLP: the activation runs on the 4×hidden intermediate; 32768 × 32768 would be 2 GiB per bf16
+    # tensor, and the 4096-row case is already memory-bound, so prefill stops at PREFILL_ROWS[0]
+    return [bias_gelu_case(rows, 4 * hidden) for rows, hidden in _rows_sweep() if rows <= PREFILL_ROWS[0]]
+
+
+def linear_act_cases() -> list[Case]:
+    return [linear_act_case(rows, *LINEAR) for rows in (*DECODE_ROWS, PREFILL_ROWS[0])]
+
+
+def sample_cases() -> list[Case]:
+    return [sample_case(batch, VOCAB) for batch in (1, 64)]
 
 
 def qkv_cases() -> list[Case]:
-    mod = kernel_module("horizontal")
     hidden, sizes, all_rows = QKV
-    cases = []
-    for rows in all_rows:
-
-        def build(dev: torch.device, dt: torch.dtype, r: int = rows) -> dict[str, Any]:
-            linears = [torch.nn.Linear(hidden, n, bias=False, device=dev, dtype=dt) for n in sizes]
-            separate = [torch.nn.Linear(hidden, n, bias=False, device=dev, dtype=dt) for n in sizes]
-            for a, b in zip(separate, linears):
-                a.weight.data.copy_(b.weight.data)
-            return {
-                "x": torch.randn(r, hidden, device=dev, dtype=dt),
-                "separate": separate,
-                "fused": mod.fuse_linears(linears),
-            }
-
-        cases.append(
-            Case(
-                "qkv",
-                f"{rows}x{hidden}->{'+'.join(map(str, sizes))}",
-                "decode" if rows <= 64 else "prefill",
-                build=build,
-                traffic=lambda i: (
-                    nbytes(i["x"])
-                    + sum(nbytes(lin.weight) for lin in i["separate"])
-                    + i["x"].shape[0] * sum(sizes) * i["x"].element_size()
-                ),
-                variants={
-                    "eager": lambda i: tuple(lin(i["x"]) for lin in i["separate"]),
-                    "fusionscope": lambda i: i["fused"](i["x"]),
-                },
-            )
-        )
-    return cases
+    return [horizontal_case("qkv", rows, hidden, sizes) for rows in all_rows]
 
 
 CASES: dict[str, Callable[[], list[Case]]] = {

@@ -13,8 +13,13 @@ fused 4·N·s (reads x and residual, writes the residual and the output).
 
 from __future__ import annotations
 
-from fusionscope.fusions.base import Graph, Match
+from typing import TYPE_CHECKING
+
+from fusionscope.fusions.base import Graph, Match, rows_and_width
 from fusionscope.fusions.rms_norm import is_residual_add
+
+if TYPE_CHECKING:
+    from fusionscope.bench.cases import Case
 
 KEY = "add_layer_norm"
 KERNEL = "add_layer_norm"
@@ -37,3 +42,11 @@ def find(graph: Graph) -> list[Match]:
         matches.append(Match(KEY, phase, step, tuple(sorted(group)), graph.module[norm],
                              escaping=graph.escaping(group, {residual, norm})))  # fmt: skip
     return matches
+
+
+def micro_case(graph: Graph, match: Match) -> Case | None:
+    """The bench case on this match's shape: (rows, hidden) of the residual add."""
+    from fusionscope.bench.cases import add_layer_norm_case
+
+    shape = rows_and_width(graph.shape(match, "aten::add"))
+    return add_layer_norm_case(*shape) if shape else None

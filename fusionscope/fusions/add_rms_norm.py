@@ -9,8 +9,13 @@ for L layers. Bytes per row of N (bf16): unfused ≈ (7s + 28)·N, fused 4·s·N
 
 from __future__ import annotations
 
-from fusionscope.fusions.base import Graph, Match
+from typing import TYPE_CHECKING
+
+from fusionscope.fusions.base import Graph, Match, rows_and_width
 from fusionscope.fusions.rms_norm import is_residual_add, norm_chain
+
+if TYPE_CHECKING:
+    from fusionscope.bench.cases import Case
 
 KEY = "add_rms_norm"
 KERNEL = "add_rms_norm"
@@ -30,3 +35,11 @@ def find(graph: Graph) -> list[Match]:
         matches.append(Match(KEY, phase, step, tuple(sorted(group)), graph.module[rsqrt],
                              escaping=graph.escaping(group, {out, add})))  # fmt: skip
     return matches
+
+
+def micro_case(graph: Graph, match: Match) -> Case | None:
+    """The bench case on this match's shape: (rows, hidden) of the normalised activation."""
+    from fusionscope.bench.cases import add_rms_norm_case
+
+    shape = rows_and_width(graph.shape(match, "aten::pow"))
+    return add_rms_norm_case(*shape) if shape else None

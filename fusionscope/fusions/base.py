@@ -8,6 +8,7 @@ reject the match instead, with its reason.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,11 @@ class Match:
     anchor_module: str
     escaping: tuple[int, ...] = ()  # nodes inside the group whose output is also read outside it
     rejected: str = ""  # non-empty: why this group cannot be fused as is
+
+
+def rows_and_width(shape: tuple[int, ...] | None) -> tuple[int, int] | None:
+    """A (..., N) activation as (rows, N): what the row-wise kernels and their bench cases take."""
+    return (math.prod(shape[:-1]), shape[-1]) if shape else None
 
 
 @dataclass
@@ -74,6 +80,13 @@ class Graph:
             values = self.nodes[name].tolist() if name in self.nodes else [default] * len(self.nodes)
             self._columns[name] = dict(zip(self.nodes["node"].tolist(), values))
         return self._columns[name]
+
+    def shape(self, match: Match, op: str, which: int = 0) -> tuple[int, ...] | None:
+        """Input `which`'s shape of the first node of `match` named `op` (None: no such node or input)."""
+        shapes = self.column("input_shapes", ())
+        node = next((n for n in match.nodes if self.name.get(n) == op), None)
+        inputs = shapes.get(node) or () if node is not None else ()
+        return tuple(inputs[which]) if which < len(inputs) else None
 
     def where(self, node: int) -> tuple[str, int]:
         return str(self.column("phase")[node]), int(self.column("step")[node])

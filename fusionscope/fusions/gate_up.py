@@ -16,9 +16,13 @@ activation-read bound); at large M the GEMMs are compute bound and gain little.
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 from fusionscope.fusions.base import Graph, Match
-from fusionscope.fusions.qkv import find_linears
+from fusionscope.fusions.qkv import find_linears, horizontal_micro_case
+
+if TYPE_CHECKING:
+    from fusionscope.bench.cases import Case
 
 KEY = "gate_up"
 KERNEL = "fuse_linears"
@@ -30,3 +34,7 @@ PROJECTION = re.compile(r"^(?P<parent>.+\.mlp)\.(?:gate|up)_proj$")
 
 def find(graph: Graph) -> list[Match]:
     return find_linears(graph, KEY, PROJECTION, most=2)
+
+
+def micro_case(graph: Graph, match: Match) -> Case | None:
+    return horizontal_micro_case(graph, match, KEY)

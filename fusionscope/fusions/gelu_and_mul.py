@@ -10,7 +10,12 @@ fused 3·I·s.
 
 from __future__ import annotations
 
-from fusionscope.fusions.base import Graph, Match
+from typing import TYPE_CHECKING
+
+from fusionscope.fusions.base import Graph, Match, rows_and_width
+
+if TYPE_CHECKING:
+    from fusionscope.bench.cases import Case
 
 KEY = "gelu_and_mul"
 KERNEL = "gelu_and_mul"
@@ -36,3 +41,11 @@ def find(graph: Graph) -> list[Match]:
         matches.append(Match(KEY, phase, step, tuple(sorted(group)), graph.module[muls[0]],
                              escaping=graph.escaping(group, {muls[0]}), rejected=rejected))  # fmt: skip
     return matches
+
+
+def micro_case(graph: Graph, match: Match) -> Case | None:
+    """The bench case on this match's shape: (rows, intermediate) of the gate."""
+    from fusionscope.bench.cases import glu_case
+
+    shape = rows_and_width(graph.shape(match, "aten::gelu"))
+    return glu_case(KERNEL, *shape) if shape else None

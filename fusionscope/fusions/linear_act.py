@@ -18,8 +18,13 @@ separate bias add 3·M·N·s; fused (M·K + K·N + N + M·N)·s, one launch.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from fusionscope.fusions.base import Graph, Match
 from fusionscope.fusions.gelu_and_mul import gating_muls
+
+if TYPE_CHECKING:
+    from fusionscope.bench.cases import Case
 
 KEY = "linear_act"
 KERNEL = "linear_act"
@@ -100,3 +105,21 @@ def find(graph: Graph) -> list[Match]:
         matches.append(Match(KEY, phase, step, tuple(sorted(group)), graph.module[gemm],
                              escaping=graph.escaping(group, {out})))  # fmt: skip
     return matches
+
+
+def micro_case(graph: Graph, match: Match) -> Case | None:
+    """cuBLAS GEMM + separate bias and activation vs `linear_act` on this match's (M, K) × (K, N)."""
+    from fusionscope.bench.cases import linear_act_case
+
+    shapes = graph.column("input_shapes")
+    gemm = next((n for n in match.nodes if graph.name.get(n) in GEMMS), None)
+    operands = shapes.get(gemm, ()) if gemm is not None else ()
+    x, w = operands[-2:] if len(operands) >= 2 else ((), ())
+    if len(x) != 2 or len(w) != 2:
+        return None
+    names = {graph.name.get(n) for n in match.nodes}
+    scalars = graph.column("scalars", ())
+    tanh_gelu = any("tanh" in str(scalars.get(n, ())) for n in match.nodes if graph.name.get(n) == "aten::gelu")
+    activation = ("silu" if "aten::silu" in names else "relu" if "aten::relu" in names
+                  else "gelu_tanh" if "aten::tanh" in names or tanh_gelu else "gelu")  # fmt: skip
+    return linear_act_case(x[0], x[1], w[1], activation)

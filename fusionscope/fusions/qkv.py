@@ -18,9 +18,13 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 from fusionscope.dataflow import LEAF
 from fusionscope.fusions.base import Graph, Match
+
+if TYPE_CHECKING:
+    from fusionscope.bench.cases import Case
 
 KEY = "qkv"
 KERNEL = "fuse_linears"
@@ -108,5 +112,22 @@ def find_linears(graph: Graph, key: str, projection: re.Pattern, most: int) -> l
     return matches
 
 
+def horizontal_micro_case(graph: Graph, match: Match, key: str) -> Case | None:
+    """n GEMMs vs one on this match's shapes: the activation (M, K) and each projection's output width N_i."""
+    from fusionscope.bench.cases import horizontal_case
+
+    shapes = graph.column("input_shapes")
+    gemms = [n for n in match.nodes if graph.name.get(n) in GEMMS]
+    operands = [(shapes[g][GEMMS[graph.name[g]][0]], shapes[g][GEMMS[graph.name[g]][1]]) for g in gemms]
+    if not operands or any(len(x) != 2 or len(w) != 2 for x, w in operands):
+        return None
+    (rows, hidden), _ = operands[0]
+    return horizontal_case(key, rows, hidden, tuple(w[1] for _x, w in operands))
+
+
 def find(graph: Graph) -> list[Match]:
     return find_linears(graph, KEY, PROJECTION, most=3)
+
+
+def micro_case(graph: Graph, match: Match) -> Case | None:
+    return horizontal_micro_case(graph, match, KEY)

@@ -10,7 +10,12 @@ in fp32), fused 2·s·N.
 
 from __future__ import annotations
 
-from fusionscope.fusions.base import Graph, Match
+from typing import TYPE_CHECKING
+
+from fusionscope.fusions.base import Graph, Match, rows_and_width
+
+if TYPE_CHECKING:
+    from fusionscope.bench.cases import Case
 
 KEY = "rms_norm"
 KERNEL = "rms_norm"
@@ -84,3 +89,11 @@ def find(graph: Graph) -> list[Match]:
         matches.append(Match(KEY, phase, step, tuple(sorted(group)), graph.module[rsqrt],
                              escaping=graph.escaping(group, {out})))  # fmt: skip
     return matches
+
+
+def micro_case(graph: Graph, match: Match) -> Case | None:
+    """The bench case on this match's shape: (rows, hidden) of the normalised activation."""
+    from fusionscope.bench.cases import rms_norm_case
+
+    shape = rows_and_width(graph.shape(match, "aten::pow"))
+    return rms_norm_case(*shape) if shape else None

@@ -24,7 +24,12 @@ norms before the rope, and caches that write with `index_copy_`/`copy_` (StaticC
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from fusionscope.fusions.base import Graph, Match
+
+if TYPE_CHECKING:
+    from fusionscope.bench.cases import Case
 
 KEY = "rope"
 KERNEL = "rope_and_cache"
@@ -104,3 +109,15 @@ def find(graph: Graph) -> list[Match]:
             matches.append(Match(KEY, phase, step, tuple(sorted(group)), module,
                                  escaping=graph.escaping(group, outputs)))  # fmt: skip
     return matches
+
+
+def micro_case(graph: Graph, match: Match) -> Case | None:
+    """HF's rope vs `rope` on this match's q and k: (B, H, S, D/2) halves at the `neg` of each chain, q's first.
+    The cache write is left out of the timing: DynamicCache's growing `cat` costs the same fused or not."""
+    from fusionscope.bench.cases import rope_case
+
+    shapes = [graph.column("input_shapes")[n][0] for n in match.nodes if graph.name.get(n) == "aten::neg"]
+    if not shapes or any(len(s) != 4 for s in shapes):
+        return None
+    (batch, heads, seq, half), kv_heads = shapes[0], shapes[-1][1]
+    return rope_case(batch, seq, heads, kv_heads, 2 * half)

@@ -16,8 +16,13 @@ unfused chain at B = 1 on an H200), which the estimate does not see.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from fusionscope.dataflow import METADATA_OPS
 from fusionscope.fusions.base import Graph, Match
+
+if TYPE_CHECKING:
+    from fusionscope.bench.cases import Case
 
 KEY = "sampling"
 KERNEL = "sample"
@@ -76,3 +81,26 @@ def _rejected(graph: Graph, draw: int, group: set[int], is_view: dict) -> str:
     if unknown:
         return f"the chain holds ops the sample kernel does not implement: {', '.join(unknown)}"
     return ""
+
+
+def micro_case(graph: Graph, match: Match) -> Case | None:
+    """HF's warper chain + multinomial vs `sample` on this match's (B, V) logits and its T, k and p, read from the
+    recorded scalars (`div` by T, `topk` k, `le` 1 − p); a warper that is absent gets its neutral value."""
+    from fusionscope.bench.cases import sample_case
+
+    shape = graph.shape(match, "aten::multinomial")
+    if not shape or len(shape) != 2:
+        return None
+    scalars = graph.column("scalars", ())
+
+    def scalar(op: str, neutral: float) -> float:
+        node = next((n for n in match.nodes if graph.name.get(n) == op), None)
+        values = scalars.get(node, ()) if node is not None else ()  # recorded as text
+        try:
+            return float(values[0])
+        except (IndexError, ValueError):
+            return neutral
+
+    settings = {"temperature": scalar("aten::div", 1.0), "top_k": int(scalar("aten::topk", 0)),
+                "top_p": 1.0 - scalar("aten::le", 0.0)}  # fmt: skip
+    return sample_case(shape[0], shape[1], settings)

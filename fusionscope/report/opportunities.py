@@ -17,6 +17,7 @@ HEADERS = (("fusion", "fusion", False), ("phase", "phase", False), ("count", "pe
            ("bytes_now", "bytes now", True), ("bytes_fused", "bytes fused", True),
            ("launches_now", "launches now", True), ("launches_fused", "launches fused", True),
            ("speedup_gpu", "GPU speedup", True), ("speedup_wall", "wall speedup", True),
+           ("micro_now_us", "µs now (micro)", True), ("micro_fused_us", "µs fused (micro)", True),
            ("confidence", "confidence", False))  # fmt: skip
 
 
@@ -39,7 +40,8 @@ def opportunities_table(opportunities: Sequence[Mapping[str, Any]]) -> str:
         cells = "".join(_cell(key, opp.get(key), num) for key, _label, num in HEADERS)
         paths = "".join(f"<li>{html.escape(p)}</li>" for p in opp.get("module_paths") or [])
         detail = (f"<details><summary>{len(opp.get('module_paths') or [])} module paths</summary><ul>{paths}</ul>"
-                  f"<p>{html.escape(text_or_dash(opp.get('reason')))}</p></details>")  # fmt: skip
+                  f"<p>{html.escape(text_or_dash(opp.get('reason')))}</p>"
+                  f"<p>micro: {html.escape(text_or_dash(opp.get('micro_note')))}</p></details>")  # fmt: skip
         rows.append(f"<tr>{cells}<td>{detail}</td></tr>")
     return ('<div class="table-wrap"><table class="sortable" id="table-opportunities">'
             f"<thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table></div>")  # fmt: skip
