@@ -35,13 +35,13 @@ def time_variant(fn: Callable[[], object], host_calls: int = 200) -> Timing:
     fn()
     torch.cuda.synchronize()
     try:
-        gpu = triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3
+        gpu = triton.testing.do_bench_cudagraph(fn, rep=10, return_mode="median") * 1e3
     except Exception as exc:  # capture refuses host syncs, CPU scalars, some RNG paths
         gpu = None
         notes.append(f"no CUDA graph: {type(exc).__name__}")
         torch.cuda.synchronize()
     try:
-        cold = triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
+        cold = triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median") * 1e3
     except Exception as exc:
         cold = None
         notes.append(f"do_bench failed: {type(exc).__name__}")
