@@ -35,9 +35,26 @@ def test_gpu_bound_step_follows_the_gpu_saving() -> None:
     phase = {"wall_ms_per_step": 10.0, "wall_ms_per_step_unprofiled": 9.0, "gpu_busy_ms_per_step": 8.5,
              "ops_per_step": 400.0, "regime": "gpu-bound"}  # fmt: skip
     model = amdahl.step_model(phase, ROOFS)
+    assert model.regime == "gpu-bound"
     assert model.host_us == pytest.approx(400 * 10.0)  # the measured one-kernel op cost, host hidden
+    assert model.exposed_us == pytest.approx(500.0)  # GPU idle: the part of the 9 ms the GPU's 8.5 ms leaves
     result = amdahl.speedup(model, saved_gpu_us=850.0, saved_ops=0, added_launches=0)
-    assert result.wall == pytest.approx(8500 / 7650)
+    assert result.wall == pytest.approx(9000 / (7650 + 500))
+    assert amdahl.cuda_graph_share(model) == pytest.approx(500 / 9000)
+
+
+def test_a_gpu_bound_step_never_models_more_host_time_than_its_wall() -> None:
+    """Ops × the one-op host cost can exceed the whole step (nested ops are counted): the host term is capped at the
+    wall time — the H200's llama-3.1-8b prefill (5114 ops, 24.1 ms wall, 16.4 ms GPU busy, 68%) is then paced by
+    its host, and only saved host work shortens it."""
+    phase = {"wall_ms_per_step": 91.6, "wall_ms_per_step_unprofiled": 24.1, "gpu_busy_ms_per_step": 16.4,
+             "ops_per_step": 5114.0, "regime": "gpu-bound"}  # fmt: skip
+    model = amdahl.step_model(phase, {"aten_op_host_us": 10.6, "launch_us": 16.4})
+    assert model.host_us == pytest.approx(24_100) and model.exposed_us == 0.0 and model.regime == "host-bound"
+    assert amdahl.speedup(model, 0.0, 0.0, 0.0).wall == pytest.approx(1.0)
+    assert amdahl.speedup(model, 2_000.0, 0.0, 0.0).wall == pytest.approx(1.0)
+    per_op = 24_100 / 5114
+    assert amdahl.speedup(model, 2_000.0, 576, 64).wall == pytest.approx(24_100 / (24_100 - 576 * per_op + 64 * 16.4))
 
 
 def test_cuda_graph_share_is_the_unhidden_host_time() -> None:

@@ -14,8 +14,9 @@ from types import ModuleType
 from fusionscope.fusions.base import Graph, Match
 
 # Order matters where two entries could claim the same node: dequant_gemm before the GEMM entries (on a quantised
-# model they share the matmul), linear_act before the activation entries (it never takes a GLU gate).
-_MODULES = ("dequant_gemm", "linear_act", "add_rms_norm", "rms_norm", "silu_and_mul", "gelu_and_mul",
+# model they share the matmul), linear_act before the activation entries (it never takes a GLU gate), bias_gelu
+# after it (a bias add that follows a GEMM belongs to the GEMM's epilogue).
+_MODULES = ("dequant_gemm", "linear_act", "bias_gelu", "add_rms_norm", "rms_norm", "silu_and_mul", "gelu_and_mul",
             "add_layer_norm", "rope", "flash_attention", "qkv", "gate_up", "sampling")  # fmt: skip
 
 

@@ -66,8 +66,9 @@ def _chain(graph: Graph, x: int) -> set[int]:
     return group
 
 
-def _activation(graph: Graph, x: int) -> tuple[set[int], int] | None:
-    """The activation reading `x` and its output node, or None."""
+def activation_of(graph: Graph, x: int) -> tuple[set[int], int] | None:
+    """The activation reading `x` (its only reader: one op, or a decomposed GELU chain) and its output node, or
+    None."""
     readers = set(graph.consumers.get(x, ()))
     if len(readers) == 1 and graph.name.get(next(iter(readers))) in SINGLE:
         (act,) = readers
@@ -94,7 +95,7 @@ def find(graph: Graph) -> list[Match]:
         if graph.name.get(gemm) == "aten::mm" and is_bias:  # + a parameter of its own: the bias
             group.add(bias)
             x = bias
-        found = _activation(graph, x)
+        found = activation_of(graph, x)
         if found is None:
             continue
         act, out = found

@@ -6,6 +6,10 @@ python3 reports/samples/estimator_time.py capture MODEL RUN_DIR OUT.pkl.gz [prof
 python3 reports/samples/estimator_time.py time IN.pkl.gz [IN2.pkl.gz ...]
     times `find_matches` + `estimate_matches` + `summarize_opportunities` on each (median of 3), and on the
     first 1/4, 1/2 and all of the decode steps of each, to show the cost per node stays flat
+python3 reports/samples/estimator_time.py rescore IN.pkl.gz RUN_DIR
+    recomputes a run folder's `opportunities` and `cumulative` from its saved inputs with the current catalogue and
+    Amdahl model (its micro-measured figures, timed on the GPU, are kept), restores `kernels.csv` from the inputs to
+    re-render `report.html`, then removes it again — how an estimate fixed after a GPU run reaches its sample
 """
 
 from __future__ import annotations
@@ -67,9 +71,41 @@ def time_once(saved: dict) -> tuple[float, int, int]:
     return time.perf_counter() - t0, len(saved["joined"]), len(matches)
 
 
+def rescore(path: Path, run_dir: Path) -> None:
+    import json
+
+    from fusionscope import opportunities, run
+    from fusionscope.fusions import Graph, find_matches
+
+    with gzip.open(path, "rb") as f:
+        saved = pickle.load(f)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    micro = {(o["fusion"], o["phase"]): o for o in summary["opportunities"]}
+    matches = find_matches(Graph(saved["joined"]))
+    per_match = opportunities.estimate_matches(matches, saved["joined"], saved["ops"], saved["kernels"], saved["roofs"])
+    summary["opportunities"], summary["cumulative"] = opportunities.summarize_opportunities(
+        per_match, summary["phases"], summary["roofs"]
+    )
+    for opp in summary["opportunities"]:
+        old = micro.get((opp["fusion"], opp["phase"]), {})
+        opp.update({k: old.get(k) for k in ("micro_now_us", "micro_fused_us", "micro_note")})
+    summary["rescored"] = "opportunities and cumulative recomputed on the CPU from the run's saved estimator inputs"
+    run.write_json(run_dir / "summary.json", summary)
+    opportunities.opportunities_table(summary["opportunities"]).to_csv(
+        run_dir / "opportunities.csv", index=False, float_format="%.6g"
+    )
+    saved["kernels"].to_csv(run_dir / "kernels.csv", index=False, float_format="%.6g")
+    run.rerender(run_dir)
+    (run_dir / "kernels.csv").unlink()  # 15 MB: the committed sample keeps the summary and the report
+    print(f"rescored {run_dir}")
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["capture"]:
         capture(argv[1], Path(argv[2]), Path(argv[3]), argv[4:])
+        return 0
+    if argv[:1] == ["rescore"]:
+        rescore(Path(argv[1]), Path(argv[2]))
         return 0
     for path in argv[1:]:
         with gzip.open(path, "rb") as f:

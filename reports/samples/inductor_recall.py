@@ -57,7 +57,7 @@ RULES: list[tuple[str, object, tuple[str, ...] | None, str]] = [
         "mask",
         lambda t: bool({"arange", "le", "lt", "ge", "gt", "bitwise", "logical", "where", "eq", "ne"} & t),
         None,
-        "miss: building the causal mask (arange/compare/where) — once per step, outside the layers",
+        "miss: position ids / causal mask (arange, compares, where) — once per step, outside the layers",
     ),
     (
         "cache_write",
@@ -75,7 +75,7 @@ RULES: list[tuple[str, object, tuple[str, ...] | None, str]] = [
 ]
 KERNEL = re.compile(r"(?<!def )\b((?:triton_[a-z]+|cpp)_fused_\w+?_\d+)(?:\.run)?\(")
 EXTERN = re.compile(r"\bextern_kernels\.(\w+)\(")
-ATTENTION = re.compile(r"\baten\.(_scaled_dot_product_\w+)")
+ATTENTION = re.compile(r"\baten\.(_scaled_dot_product_\w+?)\.default\(")  # calls, not the comments
 
 
 def tokens(kernel: str) -> set[str]:
