@@ -16,8 +16,15 @@ Measured on an H200 (torch 2.11, triton 3.6; bf16, V = 128256, temperature 0.7, 
 CUDA-graph replay, the seed draw included): B = 1: 744 µs fused vs 320 µs for the HF chain (the fused kernel LOSES:
 one SM does all the work); B = 64: 777 vs 1312 µs (1.7×); B = 256: 1540 vs 4178 µs (2.7×). top_p alone: 497 µs at
 B = 1; greedy (top_k = 1): 14 µs (torch.argmax: 26 µs). Plain bisection (SPLITS = 1) took 1220 µs at B = 1; wider
-tiles (8192) or SPLITS = 16 spill registers and ran 3–5× slower. Small batches need a multi-program-per-row variant
-(a grid-wide reduction per pass), which this single-launch design does not have.
+tiles (8192) or SPLITS = 16 spill registers and ran 3–5× slower. Small batches need a multi-program-per-row variant.
+
+That variant, for 1 < top_k ≤ 64 (HF's default is 50): two launches, `_candidates_kernel` on a (B, ⌈V / 2048⌉)
+grid — each program holds its 2048-column slice in registers and keeps that slice's top k (the row's top k is
+among the union) — then `_pick_kernel`, one program per row, running the same top-k and top-p searches and the same
+race on ⌈V / 2048⌉ · 64 candidates instead of V columns. It draws the same Philox numbers per column, so it picks
+the same tokens as the one-launch kernel (tested bit-equal in the interpreter). It is switched off
+(`TWO_STAGE["enabled"]`) until it has been measured on the GPU; `fusionscope bench sample` times it as the
+`fusionscope-2stage` variant.
 
 How the kernel avoids a sort. Every fp32 value maps to an int32 key that orders like the value (flip the magnitude
 bits of negatives). With s = logits / T:
@@ -68,6 +75,10 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # the 2³² key range in ≤ 11 passes instead of 32). Module-level so that a benchmark can sweep them.
 GPU_CONFIG: dict[str, int] = {"BLOCK_V": 4096, "num_warps": 16, "SPLITS": 8}
 _INTERPRETER_SPLITS = 8
+# The two-launch path for small k (see `_candidates_kernel`): off until it is measured on the GPU; `bench` times it
+# as the `fusionscope-2stage` variant. SLICE: columns per stage-1 program; MAX_K: the largest top_k it serves (the
+# stage-2 program holds cdiv(V, SLICE) · next_pow2(k) candidates: 63 · 64 = 4032 at V = 128256, k = 50).
+TWO_STAGE: dict[str, int | bool] = {"enabled": False, "SLICE": 2048, "MAX_K": 64, "num_warps": 8}
 
 
 def kept_scores_reference(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -309,6 +320,159 @@ def _sample_kernel(
     tl.store(out_ptr + rows.to(tl.int64) * stride_out, token, mask=row_mask)
 
 
+@triton.jit
+def _candidates_kernel(
+    logits_ptr,  # (B, V) logits; row stride stride_b, element stride stride_v
+    cand_s_ptr,  # (B, N_SLICES, K_PAD) fp32 scores of each slice's top-k candidates, -inf in unused slots
+    cand_i_ptr,  # (B, N_SLICES, K_PAD) int32 their column indices
+    V,
+    N_SLICES,
+    stride_b,
+    stride_v,
+    temperature,
+    inv_temperature,
+    top_k,
+    SLICE: tl.constexpr,
+    K_PAD: tl.constexpr,
+    SPLITS: tl.constexpr,
+    RECIPROCAL: tl.constexpr,
+):
+    """Stage 1 of the two-launch path: program (row, slice) keeps its slice's top_k scores (ties at its cut-off up to
+    K_PAD slots, strictly larger scores first). Every token of the row's top k is among its slice's top k, so the
+    candidates hold the row's whole top-k set; the row is read from DRAM once, by B · N_SLICES programs at once."""
+    row = tl.program_id(0)
+    part = tl.program_id(1)
+    cols = part * SLICE + tl.arange(0, SLICE)
+    valid = cols < V
+    x = tl.load(logits_ptr + row.to(tl.int64) * stride_b + cols.to(tl.int64) * stride_v, mask=valid, other=0.0)
+    x = x.to(tl.float32)
+    s = x * inv_temperature if RECIPROCAL else tl.math.div_rn(x, temperature)
+    s = tl.where(s == 0.0, 0.0, s)
+    bits = s.to(tl.int32, bitcast=True)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    k = tl.minimum(top_k, tl.sum(valid.to(tl.int32), axis=0))
+    lo = tl.min(tl.where(valid, key, 2**31 - 1), axis=0).to(tl.int64)
+    hi = tl.max(tl.where(valid, key, -(2**31)), axis=0).to(tl.int64)
+    js = (tl.arange(0, SPLITS) + 1).to(tl.int64)
+    # Largest key t with count(key >= t) >= k, as in `_sample_kernel`, on the slice held in registers.
+    for _ in range(_n_passes(hi - lo + 1, SPLITS + 1)):
+        step = (hi - lo + 1 + SPLITS) // (SPLITS + 1)
+        t = tl.minimum(lo + js * step, hi).to(tl.int32)
+        count = tl.sum(((key[None, :] >= t[:, None]) & valid[None, :]).to(tl.int32), axis=1)
+        below = tl.sum((count >= k).to(tl.int64), axis=0)
+        new_lo = tl.minimum(lo + below * step, hi)
+        hi = tl.where(below < SPLITS, tl.minimum(lo + (below + 1) * step - 1, hi), hi)
+        lo = new_lo
+    cut = lo.to(tl.int32)
+    above = valid & (key > cut)
+    tied = valid & (key == cut)
+    n_above = tl.sum(above.to(tl.int32), axis=0)
+    rank_above = tl.cumsum(above.to(tl.int32), axis=0) - 1
+    rank_tied = n_above + tl.cumsum(tied.to(tl.int32), axis=0) - 1
+    slot = tl.where(above, rank_above, rank_tied)
+    keep = (above | tied) & (slot < K_PAD)
+    base = (row.to(tl.int64) * N_SLICES + part) * K_PAD
+    tl.store(cand_s_ptr + base + slot, s, mask=keep)
+    tl.store(cand_i_ptr + base + slot, cols, mask=keep)
+    filled = tl.minimum(n_above + tl.sum(tied.to(tl.int32), axis=0), K_PAD)
+    slots = tl.arange(0, K_PAD)
+    tl.store(cand_s_ptr + base + slots, tl.full((K_PAD,), -float("inf"), tl.float32), mask=slots >= filled)
+    tl.store(cand_i_ptr + base + slots, tl.zeros((K_PAD,), tl.int32), mask=slots >= filled)
+
+
+@triton.jit
+def _pick_kernel(
+    cand_s_ptr,  # (B, N_CAND) fp32 candidate scores (-inf: empty slot)
+    cand_i_ptr,  # (B, N_CAND) int32 candidate columns
+    seed_ptr,
+    out_ptr,
+    V,
+    N_CAND,
+    stride_out,
+    top_k,
+    top_p,
+    HAS_TOP_P: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Stage 2: one program per row runs `_sample_kernel`'s top-k and top-p searches and the exponential race on the
+    row's candidates instead of the row. The race draws the same Philox numbers (offset row · V + column), so with
+    the same seed it picks the same token as the one-launch kernel, up to fp32 summation order in Z."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    base = row.to(tl.int64) * N_CAND
+    s = tl.load(cand_s_ptr + base + offs, mask=offs < N_CAND, other=-float("inf"))
+    idx = tl.load(cand_i_ptr + base + offs, mask=offs < N_CAND, other=0)
+    valid = s > -float("inf")
+    bits = s.to(tl.int32, bitcast=True)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    row_max = tl.max(s, axis=0)
+    lo = tl.min(tl.where(valid, key, 2**31 - 1), axis=0).to(tl.int64)
+    hi = tl.max(tl.where(valid, key, -(2**31)), axis=0).to(tl.int64)
+    kmax = hi
+    js = (tl.arange(0, SPLITS) + 1).to(tl.int64)
+    for _ in range(_n_passes(hi - lo + 1, SPLITS + 1)):
+        step = (hi - lo + 1 + SPLITS) // (SPLITS + 1)
+        t = tl.minimum(lo + js * step, hi).to(tl.int32)
+        count = tl.sum(((key[None, :] >= t[:, None]) & valid[None, :]).to(tl.int32), axis=1)
+        below = tl.sum((count >= top_k).to(tl.int64), axis=0)
+        new_lo = tl.minimum(lo + below * step, hi)
+        hi = tl.where(below < SPLITS, tl.minimum(lo + (below + 1) * step - 1, hi), hi)
+        lo = new_lo
+    threshold = lo
+    if HAS_TOP_P:
+        e = tl.where(valid & (key >= threshold.to(tl.int32)), tl.exp(s - row_max), 0.0)
+        target = top_p * tl.sum(e, axis=0)
+        lo = threshold - 1
+        hi = kmax
+        for _ in range(_n_passes(hi - lo, SPLITS + 1)):
+            step = (hi - lo + SPLITS) // (SPLITS + 1)
+            t = tl.minimum(lo + js * step, hi).to(tl.int32)
+            mass = tl.sum(tl.where(key[None, :] > t[:, None], e[None, :], 0.0), axis=1)
+            heavy = tl.sum((mass >= target).to(tl.int64), axis=0)
+            new_lo = lo + heavy * step
+            hi = tl.minimum(lo + (heavy + 1) * step, hi)
+            lo = new_lo
+        threshold = hi
+    seed = tl.load(seed_ptr)
+    u = tl.rand(seed, row.to(tl.int64) * V + idx) + 2.3283064e-10
+    series = u * (1.0 + u * (0.5 + u * (0.33333334 + u * 0.25)))
+    draw = tl.where(u < 0.01, series, -tl.log(1.0 - u))
+    race = tl.where(valid & (key >= threshold.to(tl.int32)), s - tl.log(draw), -float("inf"))
+    best = tl.max(race, axis=0)
+    token = tl.min(tl.where(race == best, idx, 2**31 - 1), axis=0)
+    tl.store(out_ptr + row.to(tl.int64) * stride_out, token.to(tl.int64))
+
+
+def _uses_two_stage(V: int, top_k: int, write_probs: bool) -> bool:
+    small_k = 1 < top_k <= int(TWO_STAGE["MAX_K"])
+    return bool(TWO_STAGE["enabled"]) and small_k and int(TWO_STAGE["SLICE"]) < V and not write_probs
+
+
+def _launch_two_stage(
+    logits: torch.Tensor, seed: torch.Tensor, temperature: float, top_k: int, top_p: float, out: torch.Tensor
+) -> None:
+    B, V = logits.shape
+    slice_, k_pad = int(TWO_STAGE["SLICE"]), max(16, triton.next_power_of_2(top_k))
+    n_slices = triton.cdiv(V, slice_)
+    cand_s = torch.empty((B, n_slices, k_pad), dtype=torch.float32, device=logits.device)
+    cand_i = torch.empty((B, n_slices, k_pad), dtype=torch.int32, device=logits.device)
+    t32 = np.float32(temperature)
+    cuda = logits.device.type == "cuda"
+    splits = GPU_CONFIG["SPLITS"] if cuda else _INTERPRETER_SPLITS
+    warps = int(TWO_STAGE["num_warps"]) if cuda else 4
+    wrap_triton(_candidates_kernel)[(B, n_slices)](
+        logits, cand_s, cand_i, V, n_slices, logits.stride(0), logits.stride(1), float(t32),
+        float(np.float32(1.0) / t32), top_k, SLICE=slice_, K_PAD=k_pad, SPLITS=splits, RECIPROCAL=cuda,
+        num_warps=warps,
+    )  # fmt: skip
+    n_cand = n_slices * k_pad
+    wrap_triton(_pick_kernel)[(B,)](
+        cand_s, cand_i, seed, out, V, n_cand, out.stride(0), top_k, top_p, HAS_TOP_P=top_p < 1.0, SPLITS=splits,
+        BLOCK=triton.next_power_of_2(n_cand), num_warps=warps,
+    )  # fmt: skip
+
+
 def _launch(
     logits: torch.Tensor,
     seed: torch.Tensor,
@@ -320,6 +484,9 @@ def _launch(
 ) -> None:
     B, V = logits.shape
     if B == 0:
+        return
+    if _uses_two_stage(V, top_k, probs is not None):
+        _launch_two_stage(logits, seed, temperature, top_k, top_p, out)
         return
     # One program per block of rows. On the GPU a row of V > 4096 gets one program (a 128k vocabulary is walked in
     # chunks of BLOCK_V) and small rows share one. Under the interpreter (CPU tensors) a program costs per operation,

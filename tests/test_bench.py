@@ -43,6 +43,7 @@ def test_cases_agree_with_the_reference(kernel: str, small_shapes: None) -> None
     eager = case.variants["eager"](inputs)
     if kernel == "sample":
         assert ours.shape == eager.shape == (inputs["logits"].shape[0],)
+        assert case.variants["fusionscope-2stage"](inputs).shape == ours.shape
         return
     ours = ours if isinstance(ours, tuple) else (ours,)
     eager = eager if isinstance(eager, tuple) else (eager,)

@@ -94,7 +94,7 @@ def run_bench(
                     rows.append({**row, "note": f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"})
                     continue
                 gbps = traffic / (timing.gpu_us * 1e3) if timing.gpu_us else None
-                regs, spills = triton_registers(jit_fns) if variant == "fusionscope" else (None, None)
+                regs, spills = triton_registers(jit_fns) if variant.startswith("fusionscope") else (None, None)
                 rows.append(
                     {
                         **row,

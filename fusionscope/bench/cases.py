@@ -363,6 +363,16 @@ def hf_sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float
 SAMPLING = {"temperature": 0.7, "top_k": 50, "top_p": 0.9}
 
 
+def _with_two_stage(mod: Any, call: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Run `call` with `sample`'s two-launch candidates path switched on (it is off by default until measured)."""
+    enabled = mod.TWO_STAGE["enabled"]
+    mod.TWO_STAGE["enabled"] = True
+    try:
+        return call()
+    finally:
+        mod.TWO_STAGE["enabled"] = enabled
+
+
 def sample_case(batch: int, vocab: int, settings: dict[str, float] | None = None) -> Case:
     mod = kernel_module("sample")
     settings = settings or SAMPLING
@@ -376,6 +386,7 @@ def sample_case(batch: int, vocab: int, settings: dict[str, float] | None = None
         variants={
             "eager": lambda i: hf_sample(i["logits"].float(), **settings),
             "fusionscope": lambda i: mod.sample(i["logits"], **settings),
+            "fusionscope-2stage": lambda i: _with_two_stage(mod, lambda: mod.sample(i["logits"], **settings)),
         },
         extra={"settings": settings},
     )

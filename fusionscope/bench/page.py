@@ -16,6 +16,7 @@ VARIANT_COLOURS = {
     "torch": "#26a69a",
     "liger": "#ffa726",
     "fusionscope": "#d81b60",
+    "fusionscope-2stage": "#8e24aa",
 }
 
 

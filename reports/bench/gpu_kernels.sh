@@ -24,10 +24,29 @@ if [ "$what" != bench ]; then
   echo "check rc=$rc"; [ $rc = 0 ] || status=1
 fi
 if [ "$what" != check ]; then
+  # One `fusionscope bench` per kernel, each merged into OUT/bench.csv as soon as it ends: a run cut short by the
+  # device call's time limit still returns every finished kernel. KERNELS (space-separated) narrows the list.
   work=$(mktemp -d)
-  fusionscope bench --out "$work/bench"
-  rc=$?
-  echo "bench rc=$rc"; [ $rc = 0 ] || status=1
-  cp "$work"/bench/bench.* "$out/" 2>/dev/null
+  for kernel in ${KERNELS:-$(python3 -c 'from fusionscope.bench import kernel_names; print(*kernel_names())')}; do
+    echo "== $kernel $(date -u +%T)"
+    COLUMNS=160 fusionscope bench "$kernel" --out "$work/$kernel"
+    rc=$?
+    echo "bench $kernel rc=$rc"; [ $rc = 0 ] || { status=1; continue; }
+    python3 - "$work/$kernel" "$out" <<'PY'
+import sys
+from pathlib import Path
+import pandas as pd
+from fusionscope.bench.page import render_bench_page
+import json
+src, out = Path(sys.argv[1]), Path(sys.argv[2])
+rows = pd.read_csv(src / "bench.csv")
+if (out / "bench.csv").exists():
+    rows = pd.concat([pd.read_csv(out / "bench.csv"), rows], ignore_index=True)
+rows.to_csv(out / "bench.csv", index=False, float_format="%.6g")
+meta = json.loads((src / "bench.json").read_text())
+(out / "bench.json").write_text(json.dumps(meta, indent=1) + "\n")
+(out / "bench.html").write_text(render_bench_page(rows, meta), encoding="utf-8")
+PY
+  done
 fi
 exit $status

@@ -4,6 +4,7 @@ the tokens. Vocabularies stay small: every search step is a pass over the row in
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -190,3 +191,77 @@ def test_bad_tensors() -> None:
         sample(randn(2, 50, dtype=torch.float32), 0.7, 0, 0.9, out=torch.empty(2, dtype=torch.int32))
     with pytest.raises(ValueError, match="tuple"):
         sample(randn(2, 50, dtype=torch.float32), 0.7, 0, 0.9, out=torch.empty(2, dtype=torch.int64), return_probs=True)
+
+
+@pytest.fixture
+def two_stage(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The two-launch path switched on with small slices (V = 1000 → 8 slices of 128); returns a list that counts its
+    launches, so a test can check which path ran."""
+    module = importlib.import_module("fusionscope.kernels.sample")
+    monkeypatch.setitem(module.TWO_STAGE, "enabled", True)
+    monkeypatch.setitem(module.TWO_STAGE, "SLICE", 128)
+    calls: list[int] = []
+    launch = module._launch_two_stage
+
+    def counted(*args: object) -> None:
+        calls.append(1)
+        launch(*args)
+
+    monkeypatch.setattr(module, "_launch_two_stage", counted)
+    return calls
+
+
+def _single_stage(logits: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    module = importlib.import_module("fusionscope.kernels.sample")
+    enabled = module.TWO_STAGE["enabled"]
+    module.TWO_STAGE["enabled"] = False
+    try:
+        return sample(logits, *args, **kwargs)
+    finally:
+        module.TWO_STAGE["enabled"] = enabled
+
+
+@pytest.mark.parametrize(
+    ("V", "dtype", "temperature", "top_k", "top_p", "strided"),
+    [
+        (1000, torch.float32, 0.7, 50, 0.9, False),
+        (1000, torch.bfloat16, 1.0, 20, 1.0, True),
+        (4097, torch.float16, 0.8, 7, 0.5, False),
+        (4097, torch.float32, 1.3, 64, 0.95, True),
+    ],
+)
+def test_two_stage_draws_the_one_launch_tokens(
+    two_stage: list[int], V: int, dtype: torch.dtype, temperature: float, top_k: int, top_p: float, strided: bool
+) -> None:
+    """Same seed, same Philox numbers per column: the candidates path picks the token the one-launch kernel picks
+    (it could differ only where fp32 summation order moves a top-p cut-off; not on these rows)."""
+    logits = randn(5, V, dtype=dtype, scale=3.0, strided=strided)
+    out = torch.full((5,), -1, dtype=torch.int64, device=device())
+    tokens = sample(logits, temperature, top_k, top_p, generator=torch.Generator().manual_seed(11), out=out)
+    assert two_stage == [1] and tokens is out
+    expected = _single_stage(logits, temperature, top_k, top_p, generator=torch.Generator().manual_seed(11))
+    assert torch.equal(tokens, expected)
+
+
+def test_two_stage_draws_only_kept_tokens_also_with_ties(two_stage: list[int]) -> None:
+    """200 equal top scores and top_k 5: HF keeps the whole tie group; each slice keeps at most 16 (k's padded width)
+    of its tied candidates, so the kernel draws from a subset of HF's kept set — never outside it. (That it draws
+    with the right distribution follows from the test above: the same token as the one-launch kernel, whose
+    chi-square test is `test_chi_square_goodness_of_fit`; a chi-square run here would take minutes in the
+    interpreter, one program per row and slice.)"""
+    row = randn(1, 1000, dtype=torch.float32, scale=1.0)
+    row[0, torch.randperm(1000)[:200]] = 9.0
+    tokens = sample(row.expand(24, 1000), 1.0, 5, 1.0, generator=torch.Generator().manual_seed(3))
+    hf_kept = kept_scores_reference(row, 1.0, 5, 1.0)[0] != -math.inf
+    assert hf_kept.sum() == 200 and hf_kept[tokens].all() and torch.unique(tokens).numel() > 1
+    assert two_stage == [1]
+
+
+def test_two_stage_is_used_only_where_it_applies(two_stage: list[int]) -> None:
+    logits = randn(2, 1000, dtype=torch.float32, scale=2.0)
+    sample(logits, 0.7, 1, 0.9)  # greedy: the exact argmax path
+    sample(logits, 0.7, 0, 0.9)  # no top-k: nothing bounds the candidates
+    sample(logits, 0.7, 65, 0.9)  # k above MAX_K
+    sample(logits, 0.7, 50, 0.9, return_probs=True)  # probabilities need the whole row
+    sample(logits[:, :128], 0.7, 50, 0.9)  # one slice: nothing to split
+    assert two_stage == []
