@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fusionscope.fusions.base import Graph, Match, rows_and_width
+from fusionscope.fusions.base import Graph, Match, row_micro_case
 from fusionscope.fusions.rms_norm import is_residual_add
 
 if TYPE_CHECKING:
@@ -48,5 +48,4 @@ def micro_case(graph: Graph, match: Match) -> Case | None:
     """The bench case on this match's shape: (rows, hidden) of the residual add."""
     from fusionscope.bench.cases import add_layer_norm_case
 
-    shape = rows_and_width(graph.shape(match, "aten::add"))
-    return add_layer_norm_case(*shape) if shape else None
+    return row_micro_case(graph, match, "aten::add", add_layer_norm_case)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fusionscope.fusions.base import Graph, Match, rows_and_width
+from fusionscope.fusions.base import Graph, Match, row_micro_case
 from fusionscope.fusions.rms_norm import is_residual_add, norm_chain
 
 if TYPE_CHECKING:
@@ -41,5 +41,4 @@ def micro_case(graph: Graph, match: Match) -> Case | None:
     """The bench case on this match's shape: (rows, hidden) of the normalised activation."""
     from fusionscope.bench.cases import add_rms_norm_case
 
-    shape = rows_and_width(graph.shape(match, "aten::pow"))
-    return add_rms_norm_case(*shape) if shape else None
+    return row_micro_case(graph, match, "aten::pow", add_rms_norm_case)

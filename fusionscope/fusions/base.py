@@ -9,7 +9,7 @@ reject the match instead, with its reason.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +32,13 @@ class Match:
 def rows_and_width(shape: tuple[int, ...] | None) -> tuple[int, int] | None:
     """A (..., N) activation as (rows, N): what the row-wise kernels and their bench cases take."""
     return (math.prod(shape[:-1]), shape[-1]) if shape else None
+
+
+def row_micro_case(graph: Graph, match: Match, op: str, build: Callable[[int, int], Any]) -> Any:
+    """The micro-measured case of a row-wise kernel: `build(rows, N)` on the first input of the group's `op` node
+    (None when the group has no such node)."""
+    shape = rows_and_width(graph.shape(match, op))
+    return build(*shape) if shape else None
 
 
 @dataclass

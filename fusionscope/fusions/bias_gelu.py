@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from fusionscope.dataflow import LEAF
-from fusionscope.fusions.base import Graph, Match, rows_and_width
+from fusionscope.fusions.base import Graph, Match, row_micro_case
 from fusionscope.fusions.gelu_and_mul import gating_muls
 from fusionscope.fusions.linear_act import activation_of
 
@@ -63,5 +63,4 @@ def micro_case(graph: Graph, match: Match) -> Case | None:
     """The bench case on this match's shape: (rows, N) of the biased activation (tanh GELU, no residual)."""
     from fusionscope.bench.cases import bias_gelu_case
 
-    shape = rows_and_width(graph.shape(match, "aten::add"))
-    return bias_gelu_case(*shape) if shape else None
+    return row_micro_case(graph, match, "aten::add", bias_gelu_case)

@@ -10,9 +10,10 @@ fused 3·I·s.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
 
-from fusionscope.fusions.base import Graph, Match, rows_and_width
+from fusionscope.fusions.base import Graph, Match, row_micro_case
 
 if TYPE_CHECKING:
     from fusionscope.bench.cases import Case
@@ -47,5 +48,4 @@ def micro_case(graph: Graph, match: Match) -> Case | None:
     """The bench case on this match's shape: (rows, intermediate) of the gate."""
     from fusionscope.bench.cases import glu_case
 
-    shape = rows_and_width(graph.shape(match, "aten::gelu"))
-    return glu_case(KERNEL, *shape) if shape else None
+    return row_micro_case(graph, match, "aten::gelu", partial(glu_case, KERNEL))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fusionscope.fusions.base import Graph, Match, rows_and_width
+from fusionscope.fusions.base import Graph, Match, row_micro_case
 
 if TYPE_CHECKING:
     from fusionscope.bench.cases import Case
@@ -95,5 +95,4 @@ def micro_case(graph: Graph, match: Match) -> Case | None:
     """The bench case on this match's shape: (rows, hidden) of the normalised activation."""
     from fusionscope.bench.cases import rms_norm_case
 
-    shape = rows_and_width(graph.shape(match, "aten::pow"))
-    return rms_norm_case(*shape) if shape else None
+    return row_micro_case(graph, match, "aten::pow", rms_norm_case)
