@@ -552,3 +552,14 @@ def test_opportunities_section_formats_times_and_speedups() -> None:
     ])  # fmt: skip
     assert ">32.1<" in html_text and ">1.011×<" in html_text and "32.100×" not in html_text
     assert "r &lt;ok&gt;" in html_text and "model.layers.0.input_layernorm" in html_text
+
+
+def test_the_waterfall_names_what_paces_the_step() -> None:
+    from fusionscope.report.opportunities import waterfall_figure
+
+    plan = {"waterfall": [{"fusion": "add_rms_norm", "speedup_gpu": 1.1, "speedup_wall": 1.2}],
+            "cuda_graph_share": 0.8, "regime": "host-bound"}  # fmt: skip
+    fig = waterfall_figure("decode", plan)
+    assert "paced by the host" in fig.layout.title.text
+    assert list(fig.data[0].x) == ["add_rms_norm", "then CUDA graph"]
+    assert "paced by" not in waterfall_figure("decode", {**plan, "regime": None}).layout.title.text

@@ -63,6 +63,10 @@ def waterfall_figure(phase: str, plan: Mapping[str, Any]) -> go.Figure | None:
         gains.append(100 * float(share))
     fig = go.Figure(go.Waterfall(x=names, y=[-g for g in gains], measure=["relative"] * len(gains),
                                  text=[f"−{g:.1f}%" for g in gains], textposition="outside"))  # fmt: skip
-    fig.update_layout(title=f"{phase}: wall time saved per step, cumulative (%)", height=340, showlegend=False,
+    pacer = {"host-bound": "the host", "gpu-bound": "the GPU"}.get(str(plan.get("regime")))
+    title = f"{phase}: wall time saved per step, cumulative (%)"
+    if pacer:
+        title += f" — paced by {pacer} in the step model"
+    fig.update_layout(title=title, height=340, showlegend=False,
                       yaxis_title="% of the step", margin={"t": 50, "b": 40, "l": 50, "r": 20})  # fmt: skip
     return fig
