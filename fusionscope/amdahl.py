@@ -10,15 +10,16 @@ while saving ops — and the host work each one costs — does. So every estimat
   directly (unprofiled wall ÷ ops), so `T_host` is the wall time. In a phase measured GPU-bound (busy ≥ 50%) it
   is the measured host cost of a one-kernel aten op (`roofs.aten_op_host_us`) per op, but never more than the
   step: the op count includes nested ops (`aten::linear` and the `aten::mm` inside it), so ops × cost can exceed
-  the whole step — llama-3.1-8b prefill on the H200: 5114 ops × 10.6 µs = 54 ms in a 24.1 ms step whose GPU is busy
+  the whole step — llama-3.1-8b prefill on the H200: 5114 ops × 11.3 µs = 58 ms in a 24.1 ms step whose GPU is busy
   16.4 ms. There the host paces the step (18 µs per kernel, the same as in its host-bound decode), and the model
   says so: `T_host` = the wall time, GPU savings alone do not shorten it.
 - `T_exposed`: what `max(T_host, T_gpu)` leaves of the measured wall time (GPU idle in a step whose host is fast:
   the queue filling at its start, syncs). It is held constant: a fusion does not remove it, a CUDA graph largely
   does.
-The regime named with the estimates is the model's: host-bound when `T_host ≥ T_gpu`.
 - A fused kernel removes its group's ops from the host's work and adds one launch (`roofs.launch_us`, an empty
   Triton launch), and replaces the group's kernel time by the fused kernel's.
+
+The regime named with the estimates is the model's: host-bound when `T_host ≥ T_gpu`.
 """
 
 from __future__ import annotations

@@ -64,13 +64,15 @@ def micro_measure(
         elif timer is None and device.type != "cuda":
             opp["micro_note"] = f"not measured: needs a CUDA GPU (this run: {device.type})"
         else:
-            opp["micro_note"] = _measure(opp, module.micro_case(graph, match), device, dtype, timer or cuda_graph_timer)
+            opp["micro_note"] = _measure(opp, lambda m=module, g=match: m.micro_case(graph, g), device, dtype,
+                                         timer or cuda_graph_timer)  # fmt: skip
 
 
-def _measure(opp: dict, case: object, device: torch.device, dtype: torch.dtype, timer: Timer) -> str:
-    if case is None:
-        return "not measured: the match's shapes are not ones its kernel takes"
+def _measure(opp: dict, make_case: Callable[[], object], device: torch.device, dtype: torch.dtype, timer: Timer) -> str:
     try:
+        case = make_case()
+        if case is None:
+            return "not measured: the match's shapes are not ones its kernel takes"
         inputs = case.build(device, dtype)
         now = timer(lambda: case.variants["eager"](inputs))
         fused = timer(lambda: case.variants["fusionscope"](inputs))

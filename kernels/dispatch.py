@@ -6,11 +6,12 @@ what lets the op be traced. In eager mode both of the obvious paths are slow:
 - through `torch.ops.fusionscope.<name>`: the dispatcher round trip costs 80–110 µs of host time per call on the
   H200 (torch 2.11);
 - calling the launcher directly: `wrap_triton` is enabled by default, so every launch goes through the
-  `triton_kernel_wrapper_mutation` higher-order op's Python dispatch — 290–610 µs per call measured there
+  `triton_kernel_wrapper_mutation` higher-order op's Python dispatch — 222–593 µs per call measured there
   (`reports/bench/`), against ~17 µs for a plain `kernel[grid](...)`.
-So eager calls run the launcher with `wrap_triton` switched off for the call (what `triton_op` itself does for its
-eager implementation): `wrap_triton(kernel)` then returns the kernel, launched the usual way. Traced and compiled
-calls go through the op.
+So plain eager calls — no torch.compile, no dispatch mode (make_fx, FakeTensorMode, ...) active, every tensor
+argument a plain `torch.Tensor` or `nn.Parameter` — run the launcher with `wrap_triton` switched off for the call
+(what `triton_op` itself does for its eager implementation): `wrap_triton(kernel)` then returns the kernel,
+launched the usual way. Everything else goes through the op, which traces.
 """
 
 from __future__ import annotations
@@ -26,9 +27,18 @@ except ImportError:  # pragma: no cover - depends on the installed torch
     set_wrap_triton_enabled = None
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # a model's weights are Parameters; other subclasses may trace
+
+
+def _plain_eager(args: tuple) -> bool:
+    if set_wrap_triton_enabled is None or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return False
+    return all(type(a) in _PLAIN for a in args if isinstance(a, torch.Tensor))
+
+
 def run(name: str, launcher: Callable[..., None], *args: Any) -> None:
-    """Call `fusionscope::<name>` under torch.compile, the plain launcher otherwise (same arguments, same effect)."""
-    if torch.compiler.is_compiling() or set_wrap_triton_enabled is None:
+    """Call the plain launcher in plain eager mode, `fusionscope::<name>` otherwise (same arguments, same effect)."""
+    if not _plain_eager(args):
         getattr(torch.ops.fusionscope, name)(*args)
         return
     with set_wrap_triton_enabled(False):

@@ -21,8 +21,10 @@ tiles (8192) or SPLITS = 16 spill registers and ran 3–5× slower. Small batche
 That variant, for 1 < top_k ≤ 64 (HF's default is 50): two launches, `_candidates_kernel` on a (B, ⌈V / 2048⌉)
 grid — each program holds its 2048-column slice in registers and keeps that slice's top k (the row's top k is
 among the union) — then `_pick_kernel`, one program per row, running the same top-k and top-p searches and the same
-race on ⌈V / 2048⌉ · 64 candidates instead of V columns. It draws the same Philox numbers per column, so it picks
-the same tokens as the one-launch kernel (tested bit-equal in the interpreter). It is switched off
+race on ⌈V / 2048⌉ · 64 candidates instead of V columns. Where a slice has more tokens tied at its cut-off than
+slots, it stores the tied token the race would pick first and counts the rest, which enter the counts and sums by
+number. It draws the same Philox numbers per column, so it picks the same tokens as the one-launch kernel (tested
+equal in the interpreter, wide tie groups included). It is switched off
 (`TWO_STAGE["enabled"]`) until it has been measured on the GPU; `fusionscope bench sample` times it as the
 `fusionscope-2stage` variant.
 
@@ -323,8 +325,11 @@ def _sample_kernel(
 @triton.jit
 def _candidates_kernel(
     logits_ptr,  # (B, V) logits; row stride stride_b, element stride stride_v
+    seed_ptr,  # (1,) int64 Philox seed (the one the race in `_pick_kernel` uses)
     cand_s_ptr,  # (B, N_SLICES, K_PAD) fp32 scores of each slice's top-k candidates, -inf in unused slots
     cand_i_ptr,  # (B, N_SLICES, K_PAD) int32 their column indices
+    cut_s_ptr,  # (B, N_SLICES) fp32 the slice's cut-off score (its k-th largest)
+    dropped_ptr,  # (B, N_SLICES) int32 tokens at that score left out of the candidates (a tie group too wide)
     V,
     N_SLICES,
     stride_b,
@@ -337,9 +342,11 @@ def _candidates_kernel(
     SPLITS: tl.constexpr,
     RECIPROCAL: tl.constexpr,
 ):
-    """Stage 1 of the two-launch path: program (row, slice) keeps its slice's top_k scores (ties at its cut-off up to
-    K_PAD slots, strictly larger scores first). Every token of the row's top k is among its slice's top k, so the
-    candidates hold the row's whole top-k set; the row is read from DRAM once, by B · N_SLICES programs at once."""
+    """Stage 1 of the two-launch path: program (row, slice) keeps its slice's top_k scores. Every token of the row's
+    top k is among its slice's top k, so the candidates hold the row's top-k set — except where a slice has more
+    tokens tied at its cut-off than slots. Then the slot goes to the tied token the race would pick first (the one
+    with the smallest exponential draw: tied tokens share their score), and the others are counted, not stored:
+    `_pick_kernel` adds them to its counts and sums by that count, so thresholds and the drawn token stay exact."""
     row = tl.program_id(0)
     part = tl.program_id(1)
     cols = part * SLICE + tl.arange(0, SLICE)
@@ -367,37 +374,51 @@ def _candidates_kernel(
     above = valid & (key > cut)
     tied = valid & (key == cut)
     n_above = tl.sum(above.to(tl.int32), axis=0)
-    rank_above = tl.cumsum(above.to(tl.int32), axis=0) - 1
-    rank_tied = n_above + tl.cumsum(tied.to(tl.int32), axis=0) - 1
-    slot = tl.where(above, rank_above, rank_tied)
-    keep = (above | tied) & (slot < K_PAD)
+    n_tied = tl.sum(tied.to(tl.int32), axis=0)
+    # the tied token with the smallest draw (the same u as `_pick_kernel`'s race; ties in u → the lowest column)
+    u = tl.where(tied, tl.rand(tl.load(seed_ptr), row.to(tl.int64) * V + cols), 2.0)
+    first = tl.min(tl.where(u == tl.min(u, axis=0), cols, 2**31 - 1), axis=0)
+    lead = tied & (cols == first)
+    rest = tied & (cols != first)
+    slot = tl.where(above, tl.cumsum(above.to(tl.int32), axis=0) - 1, n_above)
+    slot = tl.where(rest, n_above + tl.cumsum(rest.to(tl.int32), axis=0), slot)
+    keep = (above | lead | rest) & (slot < K_PAD)
     base = (row.to(tl.int64) * N_SLICES + part) * K_PAD
     tl.store(cand_s_ptr + base + slot, s, mask=keep)
     tl.store(cand_i_ptr + base + slot, cols, mask=keep)
-    filled = tl.minimum(n_above + tl.sum(tied.to(tl.int32), axis=0), K_PAD)
+    filled = tl.minimum(n_above + n_tied, K_PAD)
     slots = tl.arange(0, K_PAD)
     tl.store(cand_s_ptr + base + slots, tl.full((K_PAD,), -float("inf"), tl.float32), mask=slots >= filled)
     tl.store(cand_i_ptr + base + slots, tl.zeros((K_PAD,), tl.int32), mask=slots >= filled)
+    cut_score = tl.max(tl.where(tied, s, -float("inf")), axis=0)
+    tl.store(cut_s_ptr + row.to(tl.int64) * N_SLICES + part, cut_score)
+    tl.store(dropped_ptr + row.to(tl.int64) * N_SLICES + part, n_above + n_tied - filled)
 
 
 @triton.jit
 def _pick_kernel(
     cand_s_ptr,  # (B, N_CAND) fp32 candidate scores (-inf: empty slot)
     cand_i_ptr,  # (B, N_CAND) int32 candidate columns
+    cut_s_ptr,  # (B, N_SLICES) fp32 each slice's cut-off score
+    dropped_ptr,  # (B, N_SLICES) int32 tokens at that score not among the candidates
     seed_ptr,
     out_ptr,
     V,
     N_CAND,
+    N_SLICES,
     stride_out,
     top_k,
     top_p,
     HAS_TOP_P: tl.constexpr,
     SPLITS: tl.constexpr,
     BLOCK: tl.constexpr,
+    SLICES_PAD: tl.constexpr,
 ):
     """Stage 2: one program per row runs `_sample_kernel`'s top-k and top-p searches and the exponential race on the
-    row's candidates instead of the row. The race draws the same Philox numbers (offset row · V + column), so with
-    the same seed it picks the same token as the one-launch kernel, up to fp32 summation order in Z."""
+    row's candidates instead of the row; tokens a slice counted but did not store enter the counts and sums by
+    their number (they share their slice's cut-off score). The race draws the same Philox numbers (offset
+    row · V + column) and a stored tied token beats its unstored peers, so with the same seed it picks the
+    one-launch kernel's token, up to fp32 summation order in Z."""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     base = row.to(tl.int64) * N_CAND
@@ -406,6 +427,12 @@ def _pick_kernel(
     valid = s > -float("inf")
     bits = s.to(tl.int32, bitcast=True)
     key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    parts = tl.arange(0, SLICES_PAD)
+    in_row = parts < N_SLICES
+    dropped = tl.load(dropped_ptr + row.to(tl.int64) * N_SLICES + parts, mask=in_row, other=0)
+    cut_s = tl.load(cut_s_ptr + row.to(tl.int64) * N_SLICES + parts, mask=in_row, other=0.0)
+    cut_bits = cut_s.to(tl.int32, bitcast=True)
+    cut_key = tl.where(cut_bits < 0, cut_bits ^ 0x7FFFFFFF, cut_bits)
     row_max = tl.max(s, axis=0)
     lo = tl.min(tl.where(valid, key, 2**31 - 1), axis=0).to(tl.int64)
     hi = tl.max(tl.where(valid, key, -(2**31)), axis=0).to(tl.int64)
@@ -415,6 +442,7 @@ def _pick_kernel(
         step = (hi - lo + 1 + SPLITS) // (SPLITS + 1)
         t = tl.minimum(lo + js * step, hi).to(tl.int32)
         count = tl.sum(((key[None, :] >= t[:, None]) & valid[None, :]).to(tl.int32), axis=1)
+        count += tl.sum(tl.where(cut_key[None, :] >= t[:, None], dropped[None, :], 0), axis=1)
         below = tl.sum((count >= top_k).to(tl.int64), axis=0)
         new_lo = tl.minimum(lo + below * step, hi)
         hi = tl.where(below < SPLITS, tl.minimum(lo + (below + 1) * step - 1, hi), hi)
@@ -422,13 +450,15 @@ def _pick_kernel(
     threshold = lo
     if HAS_TOP_P:
         e = tl.where(valid & (key >= threshold.to(tl.int32)), tl.exp(s - row_max), 0.0)
-        target = top_p * tl.sum(e, axis=0)
+        e_cut = tl.where(cut_key >= threshold.to(tl.int32), dropped.to(tl.float32) * tl.exp(cut_s - row_max), 0.0)
+        target = top_p * (tl.sum(e, axis=0) + tl.sum(e_cut, axis=0))
         lo = threshold - 1
         hi = kmax
         for _ in range(_n_passes(hi - lo, SPLITS + 1)):
             step = (hi - lo + SPLITS) // (SPLITS + 1)
             t = tl.minimum(lo + js * step, hi).to(tl.int32)
             mass = tl.sum(tl.where(key[None, :] > t[:, None], e[None, :], 0.0), axis=1)
+            mass += tl.sum(tl.where(cut_key[None, :] > t[:, None], e_cut[None, :], 0.0), axis=1)
             heavy = tl.sum((mass >= target).to(tl.int64), axis=0)
             new_lo = lo + heavy * step
             hi = tl.minimum(lo + (heavy + 1) * step, hi)
@@ -455,21 +485,25 @@ def _launch_two_stage(
     B, V = logits.shape
     slice_, k_pad = int(TWO_STAGE["SLICE"]), max(16, triton.next_power_of_2(top_k))
     n_slices = triton.cdiv(V, slice_)
-    cand_s = torch.empty((B, n_slices, k_pad), dtype=torch.float32, device=logits.device)
-    cand_i = torch.empty((B, n_slices, k_pad), dtype=torch.int32, device=logits.device)
+    dev = logits.device
+    cand_s = torch.empty((B, n_slices, k_pad), dtype=torch.float32, device=dev)
+    cand_i = torch.empty((B, n_slices, k_pad), dtype=torch.int32, device=dev)
+    cut_s = torch.empty((B, n_slices), dtype=torch.float32, device=dev)
+    dropped = torch.empty((B, n_slices), dtype=torch.int32, device=dev)
     t32 = np.float32(temperature)
-    cuda = logits.device.type == "cuda"
+    cuda = dev.type == "cuda"
     splits = GPU_CONFIG["SPLITS"] if cuda else _INTERPRETER_SPLITS
     warps = int(TWO_STAGE["num_warps"]) if cuda else 4
     wrap_triton(_candidates_kernel)[(B, n_slices)](
-        logits, cand_s, cand_i, V, n_slices, logits.stride(0), logits.stride(1), float(t32),
+        logits, seed, cand_s, cand_i, cut_s, dropped, V, n_slices, logits.stride(0), logits.stride(1), float(t32),
         float(np.float32(1.0) / t32), top_k, SLICE=slice_, K_PAD=k_pad, SPLITS=splits, RECIPROCAL=cuda,
         num_warps=warps,
     )  # fmt: skip
     n_cand = n_slices * k_pad
     wrap_triton(_pick_kernel)[(B,)](
-        cand_s, cand_i, seed, out, V, n_cand, out.stride(0), top_k, top_p, HAS_TOP_P=top_p < 1.0, SPLITS=splits,
-        BLOCK=triton.next_power_of_2(n_cand), num_warps=warps,
+        cand_s, cand_i, cut_s, dropped, seed, out, V, n_cand, n_slices, out.stride(0), top_k, top_p,
+        HAS_TOP_P=top_p < 1.0, SPLITS=splits, BLOCK=triton.next_power_of_2(n_cand),
+        SLICES_PAD=triton.next_power_of_2(n_slices), num_warps=warps,
     )  # fmt: skip
 
 

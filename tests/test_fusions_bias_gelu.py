@@ -48,6 +48,7 @@ def test_each_block_matches_with_its_residual_add(tmp_path: Path) -> None:
     graph = record(tmp_path)
     matches = [m for m in find_matches(graph) if m.fusion == "bias_gelu"]
     steps = {m.step for m in matches}
+    assert steps == {0, 1, 2}  # a factory model is one `forward` phase, run three times like prefill
     for step in steps:
         in_step = sorted((m for m in matches if m.step == step), key=lambda m: m.nodes[0])
         assert [m.anchor_module for m in in_step] == ["0", "1", "2"]
@@ -83,3 +84,10 @@ def test_a_gemm_bias_is_the_gemm_epilogue_and_a_glu_gate_is_not_a_bias_gelu() ->
     assert bias_gelu.find(shaped(glu, {1: ((5, 8), (8,))})) == []
     # a leaf operand that is not a bias (a full tensor, e.g. a second input) is no bias add
     assert bias_gelu.find(shaped(mm_bias, {1: ((5, 8), (5, 8))})) == []
+
+
+def test_micro_case_reads_the_computed_operand_whichever_side_the_bias_is_on() -> None:
+    rows = [(0, "aten::mul", (-1, -1)), (1, "aten::add", (-1, 0)), (2, "aten::gelu", (1,)), (3, "aten::mm", (2, -1))]
+    graph = shaped(rows, {1: ((8,), (5, 8))})  # bias + y, as Megatron's bias_gelu(bias, y) writes it
+    (match,) = bias_gelu.find(graph)
+    assert bias_gelu.micro_case(graph, match).label == "5x8"

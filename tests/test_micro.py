@@ -115,3 +115,19 @@ def test_linear_act_case_reads_the_gemm_and_activation(tmp_path: Path) -> None:
     match = first(find_matches(graph), "linear_act", "prefill")
     case = {f.KEY: f for f in fusions()}["linear_act"].micro_case(graph, match)
     assert case.label == "6x64->256 gelu_tanh"  # gelu_new is the tanh approximation
+
+
+def test_a_case_that_cannot_be_built_is_noted_not_raised(
+    llama: tuple[Graph, list[Match]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fusionscope.fusions import rope
+
+    def boom(graph: Graph, match: Match) -> None:
+        raise IndexError("tuple index out of range")
+
+    monkeypatch.setattr(rope, "micro_case", boom)
+    graph, matches = llama
+    opportunities = [{"fusion": "rope", "phase": "decode", "count": 2.0}]
+    micro.micro_measure(opportunities, graph, matches, torch.device("cpu"), torch.float32, timer=lambda fn: 1.0)
+    assert opportunities[0]["micro_now_us"] is None
+    assert opportunities[0]["micro_note"] == "not measured: IndexError: tuple index out of range"

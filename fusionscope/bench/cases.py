@@ -65,12 +65,6 @@ def _f64(inputs: dict[str, Any]) -> dict[str, Any]:
     return {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in inputs.items()}
 
 
-def _rows_sweep() -> Iterator[tuple[str, int, int]]:
-    for hidden in HIDDEN:
-        for rows in DECODE_ROWS + PREFILL_ROWS:
-            yield ("decode" if rows in DECODE_ROWS else "prefill"), rows, hidden
-
-
 def _phase(rows: int) -> str:
     return "decode" if rows <= max(DECODE_ROWS) else "prefill"
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from fusionscope.dataflow import LEAF
-from fusionscope.fusions.base import Graph, Match, row_micro_case
+from fusionscope.fusions.base import Graph, Match, rows_and_width
 from fusionscope.fusions.gelu_and_mul import gating_muls
 from fusionscope.fusions.linear_act import activation_of
 
@@ -60,7 +60,13 @@ def find(graph: Graph) -> list[Match]:
 
 
 def micro_case(graph: Graph, match: Match) -> Case | None:
-    """The bench case on this match's shape: (rows, N) of the biased activation (tanh GELU, no residual)."""
+    """The bench case on this match's shape: (rows, N) of the biased activation — the bias add's computed operand,
+    whichever side of the add it is on (tanh GELU, no residual)."""
     from fusionscope.bench.cases import bias_gelu_case
 
-    return row_micro_case(graph, match, "aten::add", bias_gelu_case)
+    add = next((n for n in match.nodes if _bias_add(graph, n)), None)
+    if add is None:
+        return None
+    computed = 0 if graph.inputs[add][0] != LEAF else 1
+    shape = rows_and_width(tuple(graph.column("input_shapes")[add][computed]))
+    return bias_gelu_case(*shape) if shape else None

@@ -27,7 +27,9 @@ if [ "$what" != check ]; then
   # One `fusionscope bench` per kernel, each merged into OUT/bench.csv as soon as it ends: a run cut short by the
   # device call's time limit still returns every finished kernel. KERNELS (space-separated) narrows the list.
   work=$(mktemp -d)
-  for kernel in ${KERNELS:-$(python3 -c 'from fusionscope.bench import kernel_names; print(*kernel_names())')}; do
+  kernels=${KERNELS:-$(python3 -c 'from fusionscope.bench import kernel_names; print(*kernel_names())')}
+  [ -n "$kernels" ] || { echo "no kernels to benchmark"; exit 1; }
+  for kernel in $kernels; do
     echo "== $kernel $(date -u +%T)"
     COLUMNS=160 fusionscope bench "$kernel" --out "$work/$kernel"
     rc=$?
@@ -40,12 +42,14 @@ from fusionscope.bench.page import render_bench_page
 import json
 src, out = Path(sys.argv[1]), Path(sys.argv[2])
 rows = pd.read_csv(src / "bench.csv")
-if (out / "bench.csv").exists():
+if (out / "bench.csv").exists():  # a rerun of a kernel replaces its earlier rows
     rows = pd.concat([pd.read_csv(out / "bench.csv"), rows], ignore_index=True)
-rows.to_csv(out / "bench.csv", index=False, float_format="%.6g")
+    rows = rows.drop_duplicates(["kernel", "case", "variant", "dtype"], keep="last")
 meta = json.loads((src / "bench.json").read_text())
-(out / "bench.json").write_text(json.dumps(meta, indent=1) + "\n")
-(out / "bench.html").write_text(render_bench_page(rows, meta), encoding="utf-8")
+for name, text in (("bench.csv", rows.to_csv(index=False, float_format="%.6g")),
+                   ("bench.json", json.dumps(meta, indent=1) + "\n"), ("bench.html", render_bench_page(rows, meta))):
+    (out / f".{name}.partial").write_text(text, encoding="utf-8")
+    (out / f".{name}.partial").replace(out / name)  # whole files only, even if the call is cut short here
 PY
   done
 fi

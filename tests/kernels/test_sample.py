@@ -243,18 +243,20 @@ def test_two_stage_draws_the_one_launch_tokens(
     assert torch.equal(tokens, expected)
 
 
-def test_two_stage_draws_only_kept_tokens_also_with_ties(two_stage: list[int]) -> None:
-    """200 equal top scores and top_k 5: HF keeps the whole tie group; each slice keeps at most 16 (k's padded width)
-    of its tied candidates, so the kernel draws from a subset of HF's kept set — never outside it. (That it draws
-    with the right distribution follows from the test above: the same token as the one-launch kernel, whose
-    chi-square test is `test_chi_square_goodness_of_fit`; a chi-square run here would take minutes in the
-    interpreter, one program per row and slice.)"""
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_two_stage_ties_wider_than_a_slice_keep_the_draw_exact(two_stage: list[int], top_p: float) -> None:
+    """200 equal top scores and top_k 5: HF keeps the whole tie group, but a slice stores at most 16 (k's padded
+    width) of its tied tokens. The others are counted and summed by number, and the stored one is the tied token the
+    race would pick first, so every row draws exactly the one-launch kernel's token (whose distribution
+    `test_chi_square_goodness_of_fit` checks) — including tokens that were never stored."""
     row = randn(1, 1000, dtype=torch.float32, scale=1.0)
     row[0, torch.randperm(1000)[:200]] = 9.0
-    tokens = sample(row.expand(24, 1000), 1.0, 5, 1.0, generator=torch.Generator().manual_seed(3))
-    hf_kept = kept_scores_reference(row, 1.0, 5, 1.0)[0] != -math.inf
-    assert hf_kept.sum() == 200 and hf_kept[tokens].all() and torch.unique(tokens).numel() > 1
+    logits = row.expand(24, 1000)
+    tokens = sample(logits, 1.0, 5, top_p, generator=torch.Generator().manual_seed(3))
     assert two_stage == [1]
+    expected = _single_stage(logits, 1.0, 5, top_p, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(tokens, expected)
+    assert (row[0, tokens] == 9.0).all() and torch.unique(tokens).numel() > 1
 
 
 def test_two_stage_is_used_only_where_it_applies(two_stage: list[int]) -> None:
