@@ -129,17 +129,22 @@ def bench(
     ] = False,
     quick: Annotated[bool, typer.Option(help="one decode and one prefill shape per kernel")] = False,
     dtype: Annotated[str, typer.Option(help="bf16, fp16 or fp32")] = "bf16",
+    variant: Annotated[
+        list[str] | None, typer.Option("--variant", help="time only this variant (repeatable), e.g. fusionscope")
+    ] = None,
     out_dir: Annotated[
         Path | None, typer.Option("--out", help="folder to create (default reports/bench-<time>)")
     ] = None,
 ) -> None:
     """Time each bundled kernel against eager, torch.compile, PyTorch's fused op and Liger-Kernel on the GPU."""
-    from fusionscope.bench import kernel_names
+    from fusionscope.bench import check_variants, kernel_names
 
     with usage_errors():
         if list_cases:
             print_cases(kernels or kernel_names())
             return
+        if variant:
+            check_variants(kernels or kernel_names(), variant)
         import torch
 
         from fusionscope.bench import run_bench
@@ -158,6 +163,7 @@ def bench(
                 kernels or None,
                 dtype=DTYPES[dtype],
                 quick=quick,
+                variants=variant,
                 on_case=lambda label: status.update(f"benchmarking {label}…"),
             )
         with staged_dir(folder) as tmp:
@@ -206,7 +212,8 @@ def print_cases(names: list[str]) -> None:
 
 def print_bench(rows: pd.DataFrame) -> None:
     table = Table(title="fusionscope bench (GPU µs by CUDA-graph replay; % of measured copy bandwidth)")
-    for col in ("kernel", "case", "variant", "GPU µs", "cold µs", "host µs", "GB/s", "% copy", "max err", "regs"):
+    cols = ("kernel", "case", "variant", "GPU µs", "cold µs", "host µs", "call µs", "GB/s", "% copy", "max err", "regs")
+    for col in cols:
         table.add_column(col, justify="left" if col in ("kernel", "case", "variant") else "right")
 
     def fmt(value: object, spec: str) -> str:
@@ -220,6 +227,7 @@ def print_bench(rows: pd.DataFrame) -> None:
             fmt(row.get("gpu_us"), ".2f"),
             fmt(row.get("cold_us"), ".2f"),
             fmt(row.get("host_us"), ".1f"),
+            fmt(row.get("call_us"), ".1f"),
             fmt(row.get("gbps"), ".0f"),
             fmt(row.get("pct_copy_bw"), ".0f"),
             fmt(row.get("max_err"), ".2g"),

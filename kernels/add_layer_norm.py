@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from fusionscope.kernels.dispatch import run
+from fusionscope.kernels.dispatch import launchable, pow2, run
 from fusionscope.kernels.rounding import round_to as _round
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_WIDTH = 16384  # one block holds a whole row
@@ -122,8 +122,8 @@ def _add_layer_norm_op(
 ) -> None:
     x3, r3, o3, ro3 = (_as_3d(t) for t in (x, residual, out, residual_out))
     d0, d1, n = x3.shape
-    block_n = triton.next_power_of_2(n)
-    wrap_triton(_add_layer_norm_kernel)[(d0 * d1,)](
+    block_n = pow2(n)
+    launchable(_add_layer_norm_kernel)[(d0 * d1,)](
         x3, r3, weight if weight is not None else x3, bias if bias is not None else x3, o3, ro3,
         d1, n, eps,
         *x3.stride(), *r3.stride(),

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from fusionscope.kernels.dispatch import run
+from fusionscope.kernels.dispatch import cdiv, launchable, run
 from fusionscope.kernels.rms_norm import (
     SOFT_BF16,
     _scale,
@@ -35,7 +35,7 @@ from fusionscope.kernels.rms_norm import (
     rms_norm_reference,
     row_layout,
 )
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 
 def add_rms_norm_reference(
@@ -147,8 +147,8 @@ def _launch(
         tuple(x.shape[:-1]), *(t.stride()[:-1] for t in (x, residual, out, residual_out))
     )
     cfg = launch_config(M, N)
-    grid = (triton.cdiv(M, cfg["ROWS"]),)
-    wrap_triton(_add_rms_norm_kernel)[grid](
+    grid = (cdiv(M, cfg["ROWS"]),)
+    launchable(_add_rms_norm_kernel)[grid](
         x, residual, weight, out, residual_out, M, M1, M2, N,
         *sx, x.stride(-1), *sr, residual.stride(-1), *so, out.stride(-1), *sq, residual_out.stride(-1),
         weight.stride(0), eps, offset, HAS_OFFSET=offset != 0.0, SOFT_BF16=SOFT_BF16, **cfg,

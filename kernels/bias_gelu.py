@@ -23,10 +23,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from fusionscope.kernels.dispatch import run
+from fusionscope.kernels.dispatch import cdiv, launchable, run
 from fusionscope.kernels.gelu_and_mul import _check_approximate, _gelu
 from fusionscope.kernels.silu_and_mul import _launch, _round, _row_dims
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -92,8 +92,8 @@ def _bias_gelu_op(
     if r0 * r1 == 0 or n == 0:
         return
     block, num_warps = _launch(n)
-    grid = (r0 * r1, triton.cdiv(n, block))
-    wrap_triton(_bias_gelu_kernel)[grid](
+    grid = (r0 * r1, cdiv(n, block))
+    launchable(_bias_gelu_kernel)[grid](
         x, bias, res, out, r1, n, *sx, bias.stride(0), *sr, *so,
         TANH=approximate == "tanh", HAS_RESIDUAL=has_residual, BLOCK=block, num_warps=num_warps,
     )  # fmt: skip

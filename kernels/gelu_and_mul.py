@@ -21,9 +21,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from fusionscope.kernels.dispatch import run
+from fusionscope.kernels.dispatch import cdiv, launchable, run
 from fusionscope.kernels.silu_and_mul import _launch, _round, _row_dims, glu_operands
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _APPROXIMATE = ("none", "tanh")
@@ -96,8 +96,8 @@ def _gelu_and_mul_op(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor, ap
     if r0 * r1 == 0 or n == 0:
         return
     block, num_warps = _launch(n)
-    grid = (r0 * r1, triton.cdiv(n, block))
-    wrap_triton(_gelu_and_mul_kernel)[grid](
+    grid = (r0 * r1, cdiv(n, block))
+    launchable(_gelu_and_mul_kernel)[grid](
         gate, up, out, r1, n, *sg, *su, *so, TANH=approximate == "tanh", BLOCK=block, num_warps=num_warps
     )
 

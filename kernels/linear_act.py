@@ -49,8 +49,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from fusionscope.kernels.dispatch import run
-from torch.library import triton_op, wrap_triton
+from fusionscope.kernels.dispatch import cdiv, launchable, run
+from torch.library import triton_op
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu", "none")
 BACKENDS = ("auto", "triton", "cublaslt")
@@ -185,8 +185,8 @@ def _launch_triton(
     # fp32 operands: full precision unless torch allows TF32 for matmuls, as F.linear would use it.
     full_fp32 = x2d.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
     precision = "ieee" if full_fp32 else "tf32"
-    grid = (triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N),)
-    wrap_triton(_linear_act_kernel)[grid](
+    grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),)
+    launchable(_linear_act_kernel)[grid](
         x2d,
         weight,
         bias if bias is not None else weight,

@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from fusionscope.kernels.dispatch import run
-from torch.library import triton_op, wrap_triton
+from fusionscope.kernels.dispatch import cdiv, launchable, pow2, run
+from torch.library import triton_op
 from triton.runtime.interpreter import InterpretedFunction
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -174,8 +174,8 @@ def launch_config(M: int, N: int) -> dict[str, int | bool]:
     block holds fewer than 2048 elements (narrow rows: Qwen3 head norms have N = 128, 16 rows a program); warps by
     elements per program: 4 up to 2048, 8 up to 8192, 16 above."""
     if N <= MAX_BLOCK:
-        block = triton.next_power_of_2(N)
-        rows = min(max(1, 2048 // block), 16, triton.next_power_of_2(M))
+        block = pow2(N)
+        rows = min(max(1, 2048 // block), 16, pow2(M))
     else:
         block, rows = CHUNK, 1
     elems = block * rows
@@ -215,8 +215,8 @@ def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: 
         return
     (_, M1, M2), (sx, so) = row_layout(tuple(x.shape[:-1]), x.stride()[:-1], out.stride()[:-1])
     cfg = launch_config(M, N)
-    grid = (triton.cdiv(M, cfg["ROWS"]),)
-    wrap_triton(_rms_norm_kernel)[grid](
+    grid = (cdiv(M, cfg["ROWS"]),)
+    launchable(_rms_norm_kernel)[grid](
         x, weight, out, M, M1, M2, N, *sx, x.stride(-1), *so, out.stride(-1), weight.stride(0), eps, offset,
         HAS_OFFSET=offset != 0.0, SOFT_BF16=SOFT_BF16, **cfg,
     )  # fmt: skip

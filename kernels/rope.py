@@ -43,9 +43,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from fusionscope.kernels.dispatch import run
+from fusionscope.kernels.dispatch import cdiv, launchable, pow2, run
 from fusionscope.kernels.rounding import round_to as _round
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 from triton.language.extra import libdevice
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -351,12 +351,12 @@ def _blocks(hq: int, hk: int, d: int, dr: int, device: torch.device) -> dict[str
     """Tile sizes: a block of heads × the half width, about 512 elements of each half per program (8 heads of
     D = 128). Measured on an H200 (bf16, B=4, S=2048, 32/8 heads, D=128): 8 heads × 4 warps ran at 2.56 TB/s, 16 at
     2.50, 32 at 2.08 (fewer, fatter programs, and k blocks mostly masked)."""
-    block_half = triton.next_power_of_2(dr // 2)
-    block_h = min(triton.next_power_of_2(max(hq, hk)), max(1, 512 // block_half))
+    block_half = pow2(dr // 2)
+    block_h = min(pow2(max(hq, hk)), max(1, 512 // block_half))
     return {
         "BLOCK_H": block_h,
         "BLOCK_HALF": block_half,
-        "BLOCK_PASS": triton.next_power_of_2(max(d - dr, 1)),
+        "BLOCK_PASS": pow2(max(d - dr, 1)),
         "HAS_PASS": d > dr,
         "MUL_RN": device.type == "cuda" and torch.version.hip is None,
     }
@@ -380,9 +380,9 @@ def _rope_op(
     hk = k.shape[1]
     dr = cos.shape[-1]
     meta = _blocks(hq, hk, d, dr, q.device)
-    n_qblocks = triton.cdiv(hq, meta["BLOCK_H"])
-    grid = (b * s, n_qblocks + triton.cdiv(hk, meta["BLOCK_H"]))
-    wrap_triton(_rope_kernel)[grid](
+    n_qblocks = cdiv(hq, meta["BLOCK_H"])
+    grid = (b * s, n_qblocks + cdiv(hk, meta["BLOCK_H"]))
+    launchable(_rope_kernel)[grid](
         q, k, cos, sin, q_out, k_out,
         s, hq, hk, dr // 2, d - dr, n_qblocks,
         *q.stride(), *k.stride(), *_cos_sin_strides(cos), *_cos_sin_strides(sin), *q_out.stride(), *k_out.stride(),
@@ -408,15 +408,15 @@ def _rope_and_cache_op(
     hk = k.shape[1]
     dr = cos.shape[-1]
     meta = _blocks(hq, hk, d, dr, q.device)
-    n_qblocks = triton.cdiv(hq, meta["BLOCK_H"])
-    n_kblocks = triton.cdiv(hk, meta["BLOCK_H"])
+    n_qblocks = cdiv(hq, meta["BLOCK_H"])
+    n_kblocks = cdiv(hk, meta["BLOCK_H"])
     grid = (b * s, n_qblocks + 2 * n_kblocks)
-    wrap_triton(_rope_and_cache_kernel)[grid](
+    launchable(_rope_and_cache_kernel)[grid](
         q, k, v, cos, sin, positions, q_out, k_cache, v_cache,
         s, k_cache.shape[2], hq, hk, d, dr // 2, d - dr, n_qblocks, n_kblocks,
         *q.stride(), *k.stride(), *v.stride(), *_cos_sin_strides(cos), *_cos_sin_strides(sin), positions.stride(0),
         *q_out.stride(), *k_cache.stride(), *v_cache.stride(),
-        **meta, BLOCK_D=triton.next_power_of_2(d), num_warps=_num_warps(meta["BLOCK_H"], meta["BLOCK_HALF"]),
+        **meta, BLOCK_D=pow2(d), num_warps=_num_warps(meta["BLOCK_H"], meta["BLOCK_HALF"]),
     )  # fmt: skip
 
 

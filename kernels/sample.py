@@ -1,4 +1,5 @@
-"""Sampling pipeline: temperature → top-k → top-p → draw, in one launch with one program per block of rows.
+"""Sampling pipeline: temperature → top-k → top-p → draw, in one launch with one program per block of rows, or in
+two for 1 < top_k <= 64 (the candidates path below).
 
 Hugging Face's `generate()` runs this as a chain of about a dozen kernels per step: upcast the last position's logits
 to fp32, divide by the temperature, `topk` + compare + `masked_fill`, `sort` + `softmax` + `cumsum` + compare +
@@ -24,9 +25,10 @@ among the union) — then `_pick_kernel`, one program per row, running the same 
 race on ⌈V / 2048⌉ · 64 candidates instead of V columns. Where a slice has more tokens tied at its cut-off than
 slots, it stores the tied token the race would pick first and counts the rest, which enter the counts and sums by
 number. It draws the same Philox numbers per column, so it picks the same tokens as the one-launch kernel (tested
-equal in the interpreter, wide tie groups included). It is switched off
-(`TWO_STAGE["enabled"]`) until it has been measured on the GPU; `fusionscope bench sample` times it as the
-`fusionscope-2stage` variant.
+equal in the interpreter, wide tie groups included). Measured there (`reports/bench/`, same settings): B = 1: 47 µs
+GPU (16× less than one launch, 7× less than the HF chain); B = 64: 306 µs (2.6× and 4.3× less). It is on by
+default (`TWO_STAGE["enabled"]`); `fusionscope bench sample` times the one-launch path beside it as
+`fusionscope-1launch`.
 
 How the kernel avoids a sort. Every fp32 value maps to an int32 key that orders like the value (flip the magnitude
 bits of negatives). With s = logits / T:
@@ -69,18 +71,19 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
-from fusionscope.kernels.dispatch import run
-from torch.library import triton_op, wrap_triton
+from fusionscope.kernels.dispatch import cdiv, launchable, pow2, run
+from torch.library import triton_op
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Launch parameters on the GPU: chunk width, warps for a one-row program, thresholds per search pass (SPLITS = 8 cuts
 # the 2³² key range in ≤ 11 passes instead of 32). Module-level so that a benchmark can sweep them.
 GPU_CONFIG: dict[str, int] = {"BLOCK_V": 4096, "num_warps": 16, "SPLITS": 8}
 _INTERPRETER_SPLITS = 8
-# The two-launch path for small k (see `_candidates_kernel`): off until it is measured on the GPU; `bench` times it
-# as the `fusionscope-2stage` variant. SLICE: columns per stage-1 program; MAX_K: the largest top_k it serves (the
-# stage-2 program holds cdiv(V, SLICE) · next_pow2(k) candidates: 63 · 64 = 4032 at V = 128256, k = 50).
-TWO_STAGE: dict[str, int | bool] = {"enabled": False, "SLICE": 2048, "MAX_K": 64, "num_warps": 8}
+# The two-launch path for small k (see `_candidates_kernel`), on by default since it measured 2.6–16× faster than
+# the one-launch kernel on the H200; `bench` times the one-launch path as `fusionscope-1launch`. SLICE: columns per
+# stage-1 program; MAX_K: the largest top_k it serves (the stage-2 program holds cdiv(V, SLICE) · next_pow2(k)
+# candidates: 63 · 64 = 4032 at V = 128256, k = 50).
+TWO_STAGE: dict[str, int | bool] = {"enabled": True, "SLICE": 2048, "MAX_K": 64, "num_warps": 8}
 
 
 def kept_scores_reference(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -483,8 +486,8 @@ def _launch_two_stage(
     logits: torch.Tensor, seed: torch.Tensor, temperature: float, top_k: int, top_p: float, out: torch.Tensor
 ) -> None:
     B, V = logits.shape
-    slice_, k_pad = int(TWO_STAGE["SLICE"]), max(16, triton.next_power_of_2(top_k))
-    n_slices = triton.cdiv(V, slice_)
+    slice_, k_pad = int(TWO_STAGE["SLICE"]), max(16, pow2(top_k))
+    n_slices = cdiv(V, slice_)
     dev = logits.device
     cand_s = torch.empty((B, n_slices, k_pad), dtype=torch.float32, device=dev)
     cand_i = torch.empty((B, n_slices, k_pad), dtype=torch.int32, device=dev)
@@ -494,16 +497,16 @@ def _launch_two_stage(
     cuda = dev.type == "cuda"
     splits = GPU_CONFIG["SPLITS"] if cuda else _INTERPRETER_SPLITS
     warps = int(TWO_STAGE["num_warps"]) if cuda else 4
-    wrap_triton(_candidates_kernel)[(B, n_slices)](
+    launchable(_candidates_kernel)[(B, n_slices)](
         logits, seed, cand_s, cand_i, cut_s, dropped, V, n_slices, logits.stride(0), logits.stride(1), float(t32),
         float(np.float32(1.0) / t32), top_k, SLICE=slice_, K_PAD=k_pad, SPLITS=splits, RECIPROCAL=cuda,
         num_warps=warps,
     )  # fmt: skip
     n_cand = n_slices * k_pad
-    wrap_triton(_pick_kernel)[(B,)](
+    launchable(_pick_kernel)[(B,)](
         cand_s, cand_i, cut_s, dropped, seed, out, V, n_cand, n_slices, out.stride(0), top_k, top_p,
-        HAS_TOP_P=top_p < 1.0, SPLITS=splits, BLOCK=triton.next_power_of_2(n_cand),
-        SLICES_PAD=triton.next_power_of_2(n_slices), num_warps=warps,
+        HAS_TOP_P=top_p < 1.0, SPLITS=splits, BLOCK=pow2(n_cand),
+        SLICES_PAD=pow2(n_slices), num_warps=warps,
     )  # fmt: skip
 
 
@@ -528,12 +531,12 @@ def _launch(
     # numpy handles well: up to 8192 columns and 65536 elements, many rows per program. Block sizes change neither the
     # distribution nor the random numbers (indexed by row·V + col), only the fp32 summation order of Z.
     if logits.device.type == "cuda":
-        BLOCK_V = min(triton.next_power_of_2(V), GPU_CONFIG["BLOCK_V"])
-        BLOCK_B = max(1, min(triton.next_power_of_2(B), GPU_CONFIG["BLOCK_V"] // BLOCK_V))
+        BLOCK_V = min(pow2(V), GPU_CONFIG["BLOCK_V"])
+        BLOCK_B = max(1, min(pow2(B), GPU_CONFIG["BLOCK_V"] // BLOCK_V))
         num_warps = GPU_CONFIG["num_warps"] if BLOCK_B * BLOCK_V >= 2048 else 4
     else:
-        BLOCK_V = min(triton.next_power_of_2(V), 8192)
-        BLOCK_B = max(1, min(triton.next_power_of_2(B), 65536 // BLOCK_V))
+        BLOCK_V = min(pow2(V), 8192)
+        BLOCK_B = max(1, min(pow2(B), 65536 // BLOCK_V))
         num_warps = 4
     greedy = top_k == 1
     write_probs = probs is not None
@@ -541,8 +544,8 @@ def _launch(
     stride_pb, stride_pv = probs.stride() if write_probs else (0, 0)
     t32 = np.float32(temperature)
     inv_t32 = float(np.float32(1.0) / t32)  # fp32 reciprocal, as torch's CUDA `scores / T` computes it
-    grid = (triton.cdiv(B, BLOCK_B),)
-    wrap_triton(_sample_kernel)[grid](
+    grid = (cdiv(B, BLOCK_B),)
+    launchable(_sample_kernel)[grid](
         logits,
         seed,
         out,
@@ -620,7 +623,8 @@ def sample(
     out: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
     return_probs: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row from HF's Temperature → TopK → TopP distribution, in one launch.
+    """Draw one token per row from HF's Temperature → TopK → TopP distribution, in one or two launches (after a
+    one-element seed draw on the device).
 
     logits: (B, V), fp32/fp16/bf16, any strides. temperature > 0; top_k >= 0 (0 disables; 1 is greedy: exact argmax,
     ties → lowest index); top_p in (0, 1] (1.0 disables). generator: a torch.Generator (any device) or None for the

@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from fusionscope.kernels.dispatch import run
+from fusionscope.kernels.dispatch import cdiv, launchable, pow2, run
 from fusionscope.kernels.rounding import round_to as _round
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -101,7 +101,7 @@ def _launch(n: int) -> tuple[int, int]:
     (I = 14336) take several programs along the grid's second axis. On an H200 (8192 x 14336 bf16), 2048 columns at
     4 warps beat 1024/4, 2048/8, 4096/8, 4096/16 and 8192/16 for all three kernels, silu_and_mul at 4.0 TB/s (a copy:
     4.1)."""
-    block = min(max(triton.next_power_of_2(n), 128), 2048)
+    block = min(max(pow2(n), 128), 2048)
     return block, max(1, min(4, block // 256))
 
 
@@ -112,8 +112,8 @@ def _silu_and_mul_op(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) ->
     if r0 * r1 == 0 or n == 0:
         return
     block, num_warps = _launch(n)
-    grid = (r0 * r1, triton.cdiv(n, block))
-    wrap_triton(_silu_and_mul_kernel)[grid](gate, up, out, r1, n, *sg, *su, *so, BLOCK=block, num_warps=num_warps)
+    grid = (r0 * r1, cdiv(n, block))
+    launchable(_silu_and_mul_kernel)[grid](gate, up, out, r1, n, *sg, *su, *so, BLOCK=block, num_warps=num_warps)
 
 
 triton_op("fusionscope::silu_and_mul", mutates_args={"out"})(_silu_and_mul_op)

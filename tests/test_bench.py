@@ -43,7 +43,7 @@ def test_cases_agree_with_the_reference(kernel: str, small_shapes: None) -> None
     eager = case.variants["eager"](inputs)
     if kernel == "sample":
         assert ours.shape == eager.shape == (inputs["logits"].shape[0],)
-        assert case.variants["fusionscope-2stage"](inputs).shape == ours.shape
+        assert case.variants["fusionscope-1launch"](inputs).shape == ours.shape
         return
     ours = ours if isinstance(ours, tuple) else (ours,)
     eager = eager if isinstance(eager, tuple) else (eager,)
@@ -76,3 +76,14 @@ def test_bench_without_cuda_is_a_clear_error() -> None:
 def test_bench_unknown_kernel() -> None:
     result = runner.invoke(app, ["bench", "--list", "fused_everything"])
     assert result.exit_code == 2 and "unknown kernel" in result.stderr
+
+
+def test_bench_unknown_variant_is_a_clear_error() -> None:
+    result = runner.invoke(app, ["bench", "rms_norm", "--variant", "fusionscope", "--variant", "fusionscop"])
+    assert result.exit_code == 2 and "unknown variant(s) fusionscop;" in result.stderr
+    assert "have compile, eager, fusionscope" in result.stderr  # names the variants the kernel does have
+
+
+def test_bench_known_variant_reaches_the_gpu_check() -> None:
+    result = runner.invoke(app, ["bench", "sample", "--variant", "fusionscope-1launch"])
+    assert result.exit_code == 2 and "needs a CUDA GPU" in result.stderr

@@ -357,10 +357,10 @@ def hf_sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float
 SAMPLING = {"temperature": 0.7, "top_k": 50, "top_p": 0.9}
 
 
-def _with_two_stage(mod: Any, call: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """Run `call` with `sample`'s two-launch candidates path switched on (it is off by default until measured)."""
+def _one_launch(mod: Any, call: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Run `call` with `sample`'s two-launch candidates path switched off (the one-launch kernel, for comparison)."""
     enabled = mod.TWO_STAGE["enabled"]
-    mod.TWO_STAGE["enabled"] = True
+    mod.TWO_STAGE["enabled"] = False
     try:
         return call()
     finally:
@@ -380,7 +380,7 @@ def sample_case(batch: int, vocab: int, settings: dict[str, float] | None = None
         variants={
             "eager": lambda i: hf_sample(i["logits"].float(), **settings),
             "fusionscope": lambda i: mod.sample(i["logits"], **settings),
-            "fusionscope-2stage": lambda i: _with_two_stage(mod, lambda: mod.sample(i["logits"], **settings)),
+            "fusionscope-1launch": lambda i: _one_launch(mod, lambda: mod.sample(i["logits"], **settings)),
         },
         extra={"settings": settings},
     )

@@ -1,5 +1,5 @@
 """The bench results as one self-contained HTML page: per kernel, GPU time and % of copy bandwidth per variant and
-shape, host cost per call, and the full table. Draws only; every figure comes from the result rows."""
+shape, host cost and time per call, and the full table. Draws only; every figure comes from the result rows."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ VARIANT_COLOURS = {
     "torch": "#26a69a",
     "liger": "#ffa726",
     "fusionscope": "#d81b60",
-    "fusionscope-2stage": "#8e24aa",
+    "fusionscope-1launch": "#8e24aa",
 }
 
 
@@ -24,16 +24,17 @@ def kernel_figure(rows: pd.DataFrame, kernel: str) -> go.Figure:
     data = rows[rows["kernel"] == kernel]
     fig = make_subplots(
         rows=1,
-        cols=3,
+        cols=4,
         subplot_titles=(
             "GPU time per call (µs, CUDA-graph replay)",
             "% of measured copy bandwidth",
             "host µs per call",
+            "µs per call, back to back (host and GPU)",
         ),
     )
     for variant, group in data.groupby("variant", sort=False):
         colour = VARIANT_COLOURS.get(str(variant))
-        for col, metric in enumerate(("gpu_us", "pct_copy_bw", "host_us"), start=1):
+        for col, metric in enumerate(("gpu_us", "pct_copy_bw", "host_us", "call_us"), start=1):
             fig.add_trace(
                 go.Bar(
                     name=str(variant),
@@ -48,6 +49,7 @@ def kernel_figure(rows: pd.DataFrame, kernel: str) -> go.Figure:
             )
     fig.update_yaxes(type="log", row=1, col=1)
     fig.update_yaxes(type="log", row=1, col=3)
+    fig.update_yaxes(type="log", row=1, col=4)
     fig.update_layout(title=kernel, barmode="group", height=380, margin={"t": 60, "b": 40, "l": 50, "r": 20})
     return fig
 

@@ -5,6 +5,8 @@
 - Cold-L2 time (`do_bench`, which flushes the L2 before each call): what a kernel costs when its inputs come from HBM.
 - Host cost per call: a back-to-back loop of eager calls with one sync at the end, divided by the count — what the
   Python wrapper and launch path cost the CPU, which decides decode-time wall clock in eager mode.
+- Time per call: the same loop timed up to the end of that sync — what a caller waits per call in steady state,
+  the slower of host and GPU (the sampler's one-launch kernel costs the host 80 µs but the GPU 740 µs).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class Timing:
     gpu_us: float | None  # median CUDA-graph replay time per call
     cold_us: float | None  # median do_bench time (L2 flushed)
     host_us: float | None  # host time per call in a back-to-back loop
+    call_us: float | None = None  # the same loop up to the end of its final sync: what a caller waits per call
     note: str = ""
 
 
@@ -47,20 +50,23 @@ def time_variant(fn: Callable[[], object], host_calls: int = 200) -> Timing:
         notes.append(f"do_bench failed: {type(exc).__name__}")
     per_call = gpu or cold or 1.0
     calls = max(20, min(host_calls, int(50_000 / per_call)))
-    return Timing(gpu_us=gpu, cold_us=cold, host_us=host_us_per_call(fn, calls), note="; ".join(notes))
+    host, call = host_and_call_us(fn, calls)
+    return Timing(gpu_us=gpu, cold_us=cold, host_us=host, call_us=call, note="; ".join(notes))
 
 
-def host_us_per_call(fn: Callable[[], object], calls: int) -> float:
-    """Median over 3 loops of host µs per call, calls issued back to back (the GPU queue absorbs the work)."""
+def host_and_call_us(fn: Callable[[], object], calls: int) -> tuple[float, float]:
+    """Medians over 3 loops of `calls` back-to-back calls: host µs per call (the loop alone; the GPU queue absorbs
+    the work) and µs per call up to the end of the sync that follows (host and GPU overlapped)."""
     torch.cuda.synchronize()
-    loops = []
+    host, call = [], []
     for _ in range(3):
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
-        loops.append((time.perf_counter() - t0) * 1e6 / calls)
+        host.append((time.perf_counter() - t0) * 1e6 / calls)
         torch.cuda.synchronize()
-    return statistics.median(loops)
+        call.append((time.perf_counter() - t0) * 1e6 / calls)
+    return statistics.median(host), statistics.median(call)
 
 
 def triton_registers(jit_functions: list) -> tuple[int | None, int | None]:

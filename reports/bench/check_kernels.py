@@ -1,7 +1,8 @@
 """GPU-only checks of the bundled kernels, run on the H200 by reports/bench/gpu_kernels.sh.
 
 For each kernel, on one decode and one prefill shape of its bench cases (bf16):
-- launches per call: kernels the profiler sees for one eager call (expected: 1; `sample` may use 2);
+- launches per call: kernels the profiler sees for one eager call (expected: 1; `sample`: its seed draw plus one
+  launch for top_k = 1, two for the candidates path);
 - no hidden copy: no memcpy and no copy/cast kernel besides ours for contiguous inputs;
 - `fusionscope::<op>` appears in the graph torch.compile(fullgraph=True) traces, and the compiled call equals eager;
 - CUDA-graph replay equals eager.
@@ -19,7 +20,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from fusionscope.bench.cases import CASES
 
-MAX_LAUNCHES = {"sample": 2}
+# sample's forms: (top_k, top_p, launches). Every call first draws its Philox seed on the device (a 1-element
+# `torch.randint`, so that CUDA-graph replays draw fresh numbers), then runs the one-launch kernel (top_k = 1: argmax)
+# or the two-launch path (1 < top_k <= 64).
+SAMPLE_FORMS = {"": (1, 1.0, 2), " top-k 50 top-p 0.9": (50, 0.9, 3)}
 OP_NAMES = {"qkv": None, "linear_act": "linear_act"}  # qkv is one cuBLAS GEMM: no custom op to find
 
 
@@ -69,25 +73,31 @@ def main(path: str) -> int:
     for name, make_cases in CASES.items():
         cases = make_cases()
         picked = [cases[0], *[c for c in cases if c.phase != cases[0].phase][:1]]
-        for case in picked:
+        for case, form in [(c, f) for c in picked for f in (SAMPLE_FORMS if name == "sample" else [""])]:
             inputs = case.build(torch.device("cuda"), torch.bfloat16)
-            if name == "sample":  # deterministic form for equality checks: top_k=1 is argmax
+            if name == "sample":  # deterministic forms, so that compiled, replayed and eager results can be equal
                 from fusionscope.kernels.sample import sample
 
-                def fn(i=inputs):
-                    return sample(i["logits"], 1.0, 1, 1.0)
+                k, p, max_launches = SAMPLE_FORMS[form]
+                if k > 1:  # one token per row far above the rest: top-p keeps it alone
+                    rows = torch.arange(inputs["logits"].shape[0], device="cuda")
+                    inputs["logits"][rows, inputs["logits"].argmax(-1)] += 1000.0
+
+                def fn(i=inputs, k=k, p=p):
+                    return sample(i["logits"], 1.0, k, p)
             else:
+                max_launches = 1
 
                 def fn(f=case.variants["fusionscope"], i=inputs):
                     return f(i)
 
             eager = fn()
-            row = {"kernel": name, "case": case.label}
+            row = {"kernel": name, "case": case.label + form}
             try:
                 row["launches"], row["kernel_names"] = launches(fn)
                 copies = [k for k in row["kernel_names"] if "copy" in k.lower() or "Memcpy" in k]
                 row["hidden_copies"] = len(copies)
-                row["launch_ok"] = row["launches"] <= MAX_LAUNCHES.get(name, 1) and not copies
+                row["launch_ok"] = row["launches"] <= max_launches and not copies
                 op = OP_NAMES.get(name, name)
                 ops, compiled_out = compiled_ops(fn)
                 row["compiled_graph_ops"] = sorted(o for o in ops if "fusionscope" in o)

@@ -131,7 +131,11 @@ def test_inplace_writes_into_x_and_residual_only(
         torch.cuda.synchronize()
         assert torch.cuda.max_memory_allocated() == before
     assert y is x and h is r and x.data_ptr() == x_pointer and r.data_ptr() == r_pointer
-    assert torch.equal(x, expected_y) and torch.equal(r, expected_h)
+    # h = x + r is one rounding: bitwise. The norm is compared within the dtype's tolerance: in-place and
+    # out-of-place calls are two specialisations of the kernel (different output strides), and the compiler may
+    # order the row's sum of squares differently in each (seen on the H200: last-bit differences in some draws)
+    assert torch.equal(r, expected_h)
+    assert_close(x, expected_y, dtype)
     assert torch.equal(x._base[..., 1::2], x_buf[..., 1::2]) and torch.equal(r._base[..., 1::2], r_buf[..., 1::2])
 
 
