@@ -71,8 +71,10 @@ def _spec(arg: Any) -> Any:
         return "wide", arg % 16 == 0, -_I64 <= arg < _I64
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() % 16 == 0
-    if kind is bool or arg is None:
-        return arg
+    if kind is bool:  # tagged: True == 1 and False == 0 as dictionary keys
+        return "bool", arg
+    if arg is None:
+        return None
     if kind is float:
         return float
     return _UNKNOWN

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from fusionscope.kernels.dispatch import LeanKernel, knobs, launchable, run
+from fusionscope.kernels.dispatch import LeanKernel, _spec, knobs, launchable, run
 from fusionscope.kernels.rms_norm import rms_norm, rms_norm_reference
 from fusionscope.kernels.tolerances import assert_close
 from torch._library.triton import is_wrap_triton_enabled
@@ -131,6 +131,12 @@ def test_a_different_specialisation_goes_through_triton(lean: tuple[LeanKernel, 
     x2, n, override = change(x)
     launcher[(1,)](x2, n, 1e-6, **{"BLOCK": 64, "num_warps": 4, **override})
     assert [entry[0] for entry in log] == ["triton", "triton"]
+
+
+def test_argument_summaries_keep_apart_what_triton_keeps_apart() -> None:
+    summaries = [_spec(a) for a in (1, True, False, 7, 16, 2**31, 2**63, 1.0, None)]
+    assert len(set(summaries)) == len(summaries)
+    assert _spec(3) == _spec(5) and _spec(0) == _spec(16) == _spec(4096)  # what Triton specialises alike may share
 
 
 def test_unknown_arguments_and_launch_hooks_always_take_the_usual_path(
