@@ -130,7 +130,7 @@ def _add_rms_norm_kernel(
             tl.store(o_row + c[None, :] * son, _to_dtype(y, out_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
 
 
-def _launch(
+def _add_rms_norm_op(
     x: torch.Tensor,
     residual: torch.Tensor,
     weight: torch.Tensor,
@@ -139,6 +139,7 @@ def _launch(
     eps: float,
     offset: float,
 ) -> None:
+    """Writes RMSNorm(x + residual) into `out` and x + residual into `residual_out` (arguments already checked)."""
     N = x.shape[-1]
     M = x.numel() // N if N else 0
     if M == 0:
@@ -155,19 +156,6 @@ def _launch(
     )  # fmt: skip
 
 
-def _add_rms_norm_op(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    out: torch.Tensor,
-    residual_out: torch.Tensor,
-    eps: float,
-    offset: float,
-) -> None:
-    """Writes RMSNorm(x + residual) into `out` and x + residual into `residual_out` (arguments already checked)."""
-    _launch(x, residual, weight, out, residual_out, eps, offset)
-
-
 triton_op("fusionscope::add_rms_norm", mutates_args={"out", "residual_out"})(_add_rms_norm_op)
 
 
@@ -176,7 +164,7 @@ def _add_rms_norm_inplace_op(
 ) -> None:
     """The engine's allocation-free form: x + residual into `residual`, RMSNorm of it into `x`. A separate op, so that
     its schema says which arguments it mutates instead of aliasing outputs to inputs."""
-    _launch(x, residual, weight, x, residual, eps, offset)
+    _add_rms_norm_op(x, residual, weight, x, residual, eps, offset)
 
 
 triton_op("fusionscope::add_rms_norm_inplace", mutates_args={"x", "residual"})(_add_rms_norm_inplace_op)
