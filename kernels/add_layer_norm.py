@@ -20,11 +20,13 @@ interpreter, whose fp32→bf16 cast truncates, gives the GPU's result.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from fusionscope.kernels.dispatch import launchable, pow2, run
+from fusionscope.kernels.dispatch import launchable, new_output, pow2, run
 from fusionscope.kernels.rounding import round_to as _round
 from torch.library import triton_op
 
@@ -92,19 +94,24 @@ def _add_layer_norm_kernel(
     tl.store(o_ptr + i0 * stride_o0 + i1 * stride_o1 + cols * stride_on, y.to(o_ptr.dtype.element_ty), mask=mask)
 
 
-def _as_3d(t: torch.Tensor) -> torch.Tensor | None:
-    """View t (..., N) as (D0, D1, N) without copying: any layout works for up to 3 dims; more leading dims must be
-    collapsible into the first. None when they are not."""
+def _rows_3d(t: torch.Tensor) -> tuple[int, int, int, int, int] | None:
+    """t (..., N) as rows (D0, D1) of N: (D0, D1, stride0, stride1, strideN), without a view (a launcher that only
+    reads metadata can be replayed, see `dispatch`). Any layout works for up to 3 dims; more leading dims must
+    collapse into the first, as `t.view(-1, *t.shape[-2:])` would. None when they do not."""
+    shape, stride = t.shape, t.stride()
     if t.dim() == 1:
-        return t.view(1, 1, -1)
+        return 1, 1, 0, 0, stride[0]
     if t.dim() == 2:
-        return t.unsqueeze(0)
+        return 1, shape[0], 0, stride[0], stride[1]
     if t.dim() == 3:
-        return t
-    try:
-        return t.view(-1, *t.shape[-2:])
-    except RuntimeError:
+        return shape[0], shape[1], stride[0], stride[1], stride[2]
+    leading = [(n, s) for n, s in zip(shape[:-2], stride[:-2]) if n != 1]
+    if any(outer[1] != inner[1] * inner[0] for outer, inner in itertools.pairwise(leading)):
         return None
+    d0 = 1
+    for n, _ in leading:
+        d0 *= n
+    return d0, shape[-2], leading[-1][1] if leading else 0, stride[-2], stride[-1]
 
 
 def _num_warps(block_n: int) -> int:
@@ -120,15 +127,14 @@ def _add_layer_norm_op(
     out: torch.Tensor,
     residual_out: torch.Tensor,
 ) -> None:
-    x3, r3, o3, ro3 = (_as_3d(t) for t in (x, residual, out, residual_out))
-    d0, d1, n = x3.shape
+    (d0, d1, *sx), (_, _, *sr), (_, _, *so), (_, _, *sro) = (_rows_3d(t) for t in (x, residual, out, residual_out))
+    n = x.shape[-1]
     block_n = pow2(n)
     launchable(_add_layer_norm_kernel)[(d0 * d1,)](
-        x3, r3, weight if weight is not None else x3, bias if bias is not None else x3, o3, ro3,
-        d1, n, eps,
-        *x3.stride(), *r3.stride(),
+        x, residual, weight if weight is not None else x, bias if bias is not None else x, out, residual_out,
+        d1, n, eps, *sx, *sr,
         weight.stride(0) if weight is not None else 0, bias.stride(0) if bias is not None else 0,
-        *o3.stride(), *ro3.stride(),
+        *so, *sro,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n, num_warps=_num_warps(block_n),
     )  # fmt: skip
 
@@ -168,8 +174,8 @@ def add_layer_norm(
             raise ValueError(f"{name} must be a floating ({n},) tensor; got {tuple(t.shape)} {t.dtype}")
     if out is None:
         out = (
-            torch.empty(x.shape, dtype=x.dtype, device=x.device),
-            torch.empty(x.shape, dtype=x.dtype, device=x.device),
+            new_output(x),
+            new_output(x),
         )
     if len(out) != 2:
         raise ValueError("out must be a tuple (out, new_residual)")
@@ -179,7 +185,7 @@ def add_layer_norm(
                 f"{name} must be {tuple(x.shape)} {x.dtype} on {x.device}; got {tuple(t.shape)} {t.dtype} on {t.device}"
             )
     for name, t in (("x", x), ("residual", residual), ("out[0]", out[0]), ("out[1]", out[1])):
-        if _as_3d(t) is None:
+        if t.dim() > 3 and _rows_3d(t) is None:
             raise ValueError(
                 f"{name} {tuple(t.shape)} with strides {t.stride()}: its leading dims cannot be viewed as one without "
                 "a copy; pass a tensor of at most 3 dims or one whose leading dims collapse"

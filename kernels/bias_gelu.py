@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from fusionscope.kernels.dispatch import cdiv, launchable, run
+from fusionscope.kernels.dispatch import cdiv, launchable, new_output, run
 from fusionscope.kernels.gelu_and_mul import _check_approximate, _gelu
 from fusionscope.kernels.silu_and_mul import _launch, _round, _row_dims
 from torch.library import triton_op
@@ -131,7 +131,7 @@ def bias_gelu(
                 f"got {t.dtype} on {t.device}"
             )
     if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        out = new_output(x)
     elif out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
         raise ValueError(
             f"bias_gelu: out must be {tuple(x.shape)} {x.dtype} on {x.device}, "

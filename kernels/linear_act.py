@@ -177,13 +177,18 @@ def _epilogue_applies(
 
 
 def _launch_triton(
-    x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str, out2d: torch.Tensor
+    x2d: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str,
+    out2d: torch.Tensor,
+    fp32_precision: str,
 ) -> None:
     M, K = x2d.shape
     N = weight.shape[0]
     BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
     # fp32 operands: full precision unless torch allows TF32 for matmuls, as F.linear would use it.
-    full_fp32 = x2d.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
+    full_fp32 = x2d.dtype == torch.float32 and fp32_precision == "highest"
     precision = "ieee" if full_fp32 else "tf32"
     grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),)
     launchable(_linear_act_kernel)[grid](
@@ -227,15 +232,23 @@ def _launch_epilogue(
 
 
 def _linear_act_op(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str, backend: str, out: torch.Tensor
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str,
+    backend: str,
+    out: torch.Tensor,
+    fp32_precision: str,
 ) -> None:
+    """`fp32_precision` is `torch.get_float32_matmul_precision()` of the caller: an argument, not read here, since
+    a launcher may only depend on its arguments (`dispatch` replays it)."""
     if x.shape[0] == 0 or weight.shape[0] == 0:
         return
     auto_epilogue = backend == "auto" and x.is_cuda and _epilogue_applies(x, weight, bias, activation, out) is None
     if backend == "cublaslt" or auto_epilogue:
         _launch_epilogue(x, weight, bias, activation, out)
     else:
-        _launch_triton(x, weight, bias, activation, out)
+        _launch_triton(x, weight, bias, activation, out, fp32_precision)
 
 
 triton_op("fusionscope::linear_act", mutates_args={"out"})(_linear_act_op)
@@ -295,5 +308,6 @@ def linear_act(
         reason = _epilogue_applies(x2d, weight, bias, activation, out2d)
         if reason is not None:
             raise ValueError(f"backend='cublaslt' cannot run this call: {reason}")
-    run("linear_act", _linear_act_op, x2d, weight, bias, activation, backend, out2d)
+    precision = torch.get_float32_matmul_precision()
+    run("linear_act", _linear_act_op, x2d, weight, bias, activation, backend, out2d, precision)
     return out

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from fusionscope.kernels.dispatch import cdiv, launchable, pow2, run
+from fusionscope.kernels.dispatch import cdiv, launchable, new_output, pow2, run
 from torch.library import triton_op
 from triton.runtime.interpreter import InterpretedFunction
 
@@ -238,7 +238,7 @@ def rms_norm(
     check_norm_args(x, weight)
     dtype = output_dtype(x.dtype, weight.dtype, offset)
     if out is None:
-        out = torch.empty(x.shape, dtype=dtype, device=x.device)
+        out = new_output(x, dtype)
     else:
         check_out(out, x, dtype)
     run("rms_norm", _rms_norm_op, x, weight, out, float(eps), float(offset))

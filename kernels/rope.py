@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from fusionscope.kernels.dispatch import cdiv, launchable, pow2, run
+from fusionscope.kernels.dispatch import cdiv, launchable, new_output, pow2, run
 from fusionscope.kernels.rounding import round_to as _round
 from torch.library import triton_op
 from triton.language.extra import libdevice
@@ -471,8 +471,8 @@ def rope(
     _check_rope_inputs(q, k, cos, sin)
     if out is None:
         out = (
-            torch.empty(q.shape, dtype=q.dtype, device=q.device),
-            torch.empty(k.shape, dtype=k.dtype, device=k.device),
+            new_output(q),
+            new_output(k),
         )
     if len(out) != 2:
         raise ValueError("out must be a tuple (q_out, k_out)")
@@ -525,7 +525,7 @@ def rope_and_cache(
         if positions.unique().numel() != s:
             raise ValueError(f"positions must be distinct; got {positions.tolist()}")
     if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = new_output(q)
     _check_out("out", out, q)
     run("rope_and_cache", _rope_and_cache_op, q, k, v, cos, sin, positions, out, k_cache, v_cache)
     return out

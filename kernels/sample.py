@@ -71,19 +71,19 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
-from fusionscope.kernels.dispatch import cdiv, launchable, pow2, run
+from fusionscope.kernels.dispatch import Tunables, cdiv, launchable, pow2, run
 from torch.library import triton_op
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Launch parameters on the GPU: chunk width, warps for a one-row program, thresholds per search pass (SPLITS = 8 cuts
 # the 2³² key range in ≤ 11 passes instead of 32). Module-level so that a benchmark can sweep them.
-GPU_CONFIG: dict[str, int] = {"BLOCK_V": 4096, "num_warps": 16, "SPLITS": 8}
+GPU_CONFIG = Tunables(BLOCK_V=4096, num_warps=16, SPLITS=8)
 _INTERPRETER_SPLITS = 8
 # The two-launch path for small k (see `_candidates_kernel`), on by default since it measured 2.6–16× faster than
 # the one-launch kernel on the H200; `bench` times the one-launch path as `fusionscope-1launch`. SLICE: columns per
 # stage-1 program; MAX_K: the largest top_k it serves (the stage-2 program holds cdiv(V, SLICE) · next_pow2(k)
 # candidates: 63 · 64 = 4032 at V = 128256, k = 50).
-TWO_STAGE: dict[str, int | bool] = {"enabled": True, "SLICE": 2048, "MAX_K": 64, "num_warps": 8}
+TWO_STAGE = Tunables(enabled=True, SLICE=2048, MAX_K=64, num_warps=8)
 
 
 def kept_scores_reference(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from fusionscope.kernels.dispatch import cdiv, launchable, pow2, run
+from fusionscope.kernels.dispatch import cdiv, launchable, new_output, pow2, run
 from fusionscope.kernels.rounding import round_to as _round
 from torch.library import triton_op
 
@@ -134,8 +134,7 @@ def glu_operands(
                 f"{name}: with up=None, gate's last dim holds gate and up halves and must be even, "
                 f"got shape {tuple(gate.shape)}"
             )
-        half = gate.shape[-1] // 2
-        gate, up = gate[..., :half], gate[..., half:]
+        gate, up = gate.chunk(2, -1)
     elif up.shape != gate.shape:
         raise ValueError(f"{name}: gate and up must have one shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
     elif up.dtype != gate.dtype or up.device != gate.device:
@@ -144,7 +143,7 @@ def glu_operands(
             f"and {up.dtype} on {up.device}"
         )
     if out is None:
-        out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        out = new_output(gate)
     elif out.shape != gate.shape or out.dtype != gate.dtype or out.device != gate.device:
         raise ValueError(
             f"{name}: out must be {tuple(gate.shape)} {gate.dtype} on {gate.device}, "

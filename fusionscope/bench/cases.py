@@ -4,7 +4,8 @@ Shapes cover decode (1, 16, 64 rows) and prefill (4096, 32768 rows) at hidden 40
 vocab 128256 for `sample`. Variants: `eager` (the unfused form as Hugging Face writes it), `compile`
 (torch.compile of that form), `torch` (a fused PyTorch op where one exists, e.g. F.rms_norm), `liger`
 (Liger-Kernel, when importable) and `fusionscope` (ours). Every case states its minimal DRAM traffic — each input
-read once, each output written once — which is what GB/s and % of copy bandwidth are computed from.
+read once, each output written once — which is what GB/s and % of copy bandwidth are computed from. Every variant
+allocates its outputs, ours included (`out=` would save our call an allocation the peers pay for).
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def _hf_add_rms_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor) -> tuple
 
 
 def _norm_inputs(rows: int, hidden: int, names: str) -> Callable[[torch.device, torch.dtype], dict[str, Any]]:
-    """Inputs of a (rows, hidden) norm: `names` picks x, r (residual), w (weight), b (bias), out, res buffers."""
+    """Inputs of a (rows, hidden) norm: `names` picks x, r (residual), w (weight), b (bias)."""
 
     def build(dev: torch.device, dt: torch.dtype) -> dict[str, Any]:
         make = {
@@ -98,8 +99,6 @@ def _norm_inputs(rows: int, hidden: int, names: str) -> Callable[[torch.device, 
             "r": lambda: torch.randn(rows, hidden, device=dev, dtype=dt),
             "w": lambda: torch.rand(hidden, device=dev, dtype=dt) + 0.5,
             "b": lambda: torch.randn(hidden, device=dev, dtype=dt),
-            "out": lambda: torch.empty(rows, hidden, device=dev, dtype=dt),
-            "res": lambda: torch.empty(rows, hidden, device=dev, dtype=dt),
         }
         return {name: make[name]() for name in names.split()}
 
@@ -112,7 +111,7 @@ def rms_norm_case(rows: int, hidden: int) -> Case:
         "eager": lambda i: hf_rms_norm(i["x"], i["w"], EPS),
         "compile": lambda i: _compiled(hf_rms_norm)(i["x"], i["w"], EPS),
         "torch": lambda i: F.rms_norm(i["x"], (i["x"].shape[-1],), i["w"], EPS),
-        "fusionscope": lambda i: mod.rms_norm(i["x"], i["w"], EPS, out=i["out"]),
+        "fusionscope": lambda i: mod.rms_norm(i["x"], i["w"], EPS),
     }
     if liger := _liger("rms_norm", "LigerRMSNormFunction"):
         variants["liger"] = lambda i: liger.apply(i["x"], i["w"], EPS, 0.0, "llama", False)
@@ -120,7 +119,7 @@ def rms_norm_case(rows: int, hidden: int) -> Case:
         "rms_norm",
         f"{rows}x{hidden}",
         _phase(rows),
-        build=_norm_inputs(rows, hidden, "x w out"),
+        build=_norm_inputs(rows, hidden, "x w"),
         traffic=lambda i: nbytes(i["x"], i["w"]) + nbytes(i["x"]),
         variants=variants,
         reference=lambda i: mod.rms_norm_reference(**_ref_args(_f64(i), ("x", "w")), eps=EPS),
@@ -138,7 +137,7 @@ def add_rms_norm_case(rows: int, hidden: int) -> Case:
         "eager": lambda i: _hf_add_rms_norm(i["x"], i["r"], i["w"]),
         "compile": lambda i: _compiled(_hf_add_rms_norm)(i["x"], i["r"], i["w"]),
         "torch": lambda i: F.rms_norm(i["x"] + i["r"], (i["x"].shape[-1],), i["w"], EPS),
-        "fusionscope": lambda i: mod.add_rms_norm(i["x"], i["r"], i["w"], EPS, out=(i["out"], i["res"])),
+        "fusionscope": lambda i: mod.add_rms_norm(i["x"], i["r"], i["w"], EPS),
     }
     if liger := _liger("fused_add_rms_norm", "LigerFusedAddRMSNormFunction"):
         variants["liger"] = lambda i: liger.apply(i["x"], i["r"], i["w"], EPS, 0.0, "llama", False)
@@ -146,7 +145,7 @@ def add_rms_norm_case(rows: int, hidden: int) -> Case:
         "add_rms_norm",
         f"{rows}x{hidden}",
         _phase(rows),
-        build=_norm_inputs(rows, hidden, "x r w out res"),
+        build=_norm_inputs(rows, hidden, "x r w"),
         traffic=lambda i: 4 * nbytes(i["x"]) + nbytes(i["w"]),
         variants=variants,
         reference=lambda i: mod.add_rms_norm_reference(**_ref_args(_f64(i), ("x", "r", "w")), eps=EPS),
@@ -174,7 +173,7 @@ def glu_case(name: str, rows: int, width: int) -> Case:
     variants: dict[str, Callable] = {
         "eager": lambda i: eager(i["g"], i["u"]),
         "compile": lambda i: _compiled(eager)(i["g"], i["u"]),
-        "fusionscope": lambda i: fused(i["g"], i["u"], out=i["out"], **extra),
+        "fusionscope": lambda i: fused(i["g"], i["u"], **extra),
     }
     if liger := _liger(*liger_name):
         variants["liger"] = lambda i: liger.apply(i["g"], i["u"])
@@ -185,7 +184,6 @@ def glu_case(name: str, rows: int, width: int) -> Case:
         build=lambda dev, dt: {
             "g": torch.randn(rows, width, device=dev, dtype=dt),
             "u": torch.randn(rows, width, device=dev, dtype=dt),
-            "out": torch.empty(rows, width, device=dev, dtype=dt),
         },
         traffic=lambda i: 3 * nbytes(i["g"]),
         variants=variants,

@@ -5,7 +5,10 @@ For each kernel, on one decode and one prefill shape of its bench cases (bf16):
   launch for top_k = 1, two for the candidates path);
 - no hidden copy: no memcpy and no copy/cast kernel besides ours for contiguous inputs;
 - `fusionscope::<op>` appears in the graph torch.compile(fullgraph=True) traces, and the compiled call equals eager;
-- CUDA-graph replay equals eager.
+- CUDA-graph replay equals eager;
+- a second eager call with fresh inputs of the same metadata replays the recorded launches (see
+  `kernels/dispatch.py`; required of the kernels in REPLAYED, reported for the others) and its result equals the same
+  call through Triton's usual launch path.
 Writes a JSON list of results to the path given as the first argument and exits non-zero if any check fails.
 (torch.compile cannot run these kernels on a CPU, which is why these checks live here and not in the CPU suite.)
 """
@@ -16,6 +19,7 @@ import json
 import sys
 
 import torch
+from fusionscope.kernels import dispatch
 from torch.profiler import ProfilerActivity, profile
 
 from fusionscope.bench.cases import CASES
@@ -25,6 +29,10 @@ from fusionscope.bench.cases import CASES
 # or the two-launch path (1 < top_k <= 64).
 SAMPLE_FORMS = {"": (1, 1.0, 2), " top-k 50 top-p 0.9": (50, 0.9, 3)}
 OP_NAMES = {"qkv": None, "linear_act": "linear_act"}  # qkv is one cuBLAS GEMM: no custom op to find
+# launchers that only compute launch parameters and launch: a repeated call must replay. (linear_act's cuBLASLt
+# path and sample's two-launch path allocate or call torch ops, so they run their launcher on every call.)
+REPLAYED = {"rms_norm", "add_rms_norm", "silu_and_mul", "gelu_and_mul", "rope", "rope_and_cache", "add_layer_norm",
+            "bias_gelu"}  # fmt: skip
 
 
 def launches(fn) -> tuple[int, list[str]]:
@@ -68,6 +76,41 @@ def graph_replay(fn):
     return static_out
 
 
+def make_call(name: str, case, form: str, inputs: dict):
+    """The call to check and the most launches it may make: our variant of the case (sample in a deterministic form,
+    so that compiled, replayed and eager results can be equal)."""
+    if name != "sample":
+        return (lambda f=case.variants["fusionscope"], i=inputs: f(i)), 1
+    from fusionscope.kernels.sample import sample
+
+    k, p, max_launches = SAMPLE_FORMS[form]
+    if k > 1:  # one token per row far above the rest: top-p keeps it alone
+        rows = torch.arange(inputs["logits"].shape[0], device="cuda")
+        inputs["logits"][rows, inputs["logits"].argmax(-1)] += 1000.0
+    return (lambda i=inputs, k=k, p=p: sample(i["logits"], 1.0, k, p)), max_launches
+
+
+def replay_check(name: str, case, form: str) -> tuple[bool, bool]:
+    """Call on fresh inputs after earlier calls of the same metadata: (replayed, equal to Triton's usual launch)."""
+    replays = []
+    real_replay = dispatch._replay
+    dispatch._replay = lambda *a: (replays.append(1), real_replay(*a))
+    try:
+        torch.manual_seed(1234)
+        fresh, _ = make_call(name, case, form, case.build(torch.device("cuda"), torch.bfloat16))
+        replayed_out = fresh()
+    finally:
+        dispatch._replay = real_replay
+    dispatch.LEAN["enabled"] = False
+    try:
+        torch.manual_seed(1234)
+        same_inputs, _ = make_call(name, case, form, case.build(torch.device("cuda"), torch.bfloat16))
+        usual_out = same_inputs()
+    finally:
+        dispatch.LEAN["enabled"] = True
+    return bool(replays), same(replayed_out, usual_out)
+
+
 def main(path: str) -> int:
     results, failed = [], 0
     for name, make_cases in CASES.items():
@@ -75,22 +118,7 @@ def main(path: str) -> int:
         picked = [cases[0], *[c for c in cases if c.phase != cases[0].phase][:1]]
         for case, form in [(c, f) for c in picked for f in (SAMPLE_FORMS if name == "sample" else [""])]:
             inputs = case.build(torch.device("cuda"), torch.bfloat16)
-            if name == "sample":  # deterministic forms, so that compiled, replayed and eager results can be equal
-                from fusionscope.kernels.sample import sample
-
-                k, p, max_launches = SAMPLE_FORMS[form]
-                if k > 1:  # one token per row far above the rest: top-p keeps it alone
-                    rows = torch.arange(inputs["logits"].shape[0], device="cuda")
-                    inputs["logits"][rows, inputs["logits"].argmax(-1)] += 1000.0
-
-                def fn(i=inputs, k=k, p=p):
-                    return sample(i["logits"], 1.0, k, p)
-            else:
-                max_launches = 1
-
-                def fn(f=case.variants["fusionscope"], i=inputs):
-                    return f(i)
-
+            fn, max_launches = make_call(name, case, form, inputs)
             eager = fn()
             row = {"kernel": name, "case": case.label + form}
             try:
@@ -104,11 +132,19 @@ def main(path: str) -> int:
                 row["op_in_compiled_graph"] = op is None or any(f"fusionscope.{op}" in o for o in ops)
                 row["compiled_equals_eager"] = same(compiled_out, eager)
                 row["cuda_graph_equals_eager"] = same(graph_replay(fn), eager)
+                row["replayed"], row["replay_equals_usual_launch"] = replay_check(name, case, form)
+                row["replay_ok"] = row["replay_equals_usual_launch"] and (row["replayed"] or name not in REPLAYED)
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             ok = all(
                 row.get(k, False)
-                for k in ("launch_ok", "op_in_compiled_graph", "compiled_equals_eager", "cuda_graph_equals_eager")
+                for k in (
+                    "launch_ok",
+                    "op_in_compiled_graph",
+                    "compiled_equals_eager",
+                    "cuda_graph_equals_eager",
+                    "replay_ok",
+                )
             )
             row["ok"] = ok
             failed += not ok

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The GPU evidence for the bundled kernels: run on the H200 from the repository root with
-#   source .gpu/boot.sh && bash reports/bench/gpu_kernels.sh "$OUT" [check|bench|tune|all]
+#   source .gpu/boot.sh && bash reports/bench/gpu_kernels.sh "$OUT" [check|bench|tune|host|all]
 # check: the kernel test suite compiled on the GPU (CUDA tensors, no interpreter), then check_kernels.py (one launch
 #        per call, no hidden copy, fusionscope::<op> in a torch.compile(fullgraph=True) graph, CUDA-graph replay equal
 #        to eager). bench: `fusionscope bench` over the full shape sweep. tune: where the host time of a call goes
-#        (host_cost.py) and launch-parameter sweeps for the norms and rope (tune_norms.py, tune_rope.py).
+#        (host_cost.py) and launch-parameter sweeps for the norms and rope (tune_norms.py, tune_rope.py); host: only
+#        host_cost.py.
 #        Results land in OUT.
 set -uo pipefail
-out=${1:?usage: gpu_kernels.sh OUT_DIR [check|bench|tune|all]}
+out=${1:?usage: gpu_kernels.sh OUT_DIR [check|bench|tune|host|all]}
 what=${2:-all}
 exec > >(tee -a "$out/gpu_kernels_$what.log") 2>&1
 echo "date: $(date -u +%FT%TZ)"
@@ -25,8 +26,9 @@ if [ "$what" = check ] || [ "$what" = all ]; then
   rc=$?
   echo "check rc=$rc"; [ $rc = 0 ] || status=1
 fi
-if [ "$what" = tune ] || [ "$what" = all ]; then
-  for script in host_cost tune_norms tune_rope; do
+if [ "$what" = host ]; then scripts="host_cost"; else scripts="host_cost tune_norms tune_rope"; fi
+if [ "$what" = tune ] || [ "$what" = host ] || [ "$what" = all ]; then
+  for script in $scripts; do
     echo "== $script $(date -u +%T)"
     python3 "reports/bench/$script.py" "$out/$script.json"
     rc=$?

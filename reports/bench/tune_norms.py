@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.testing
+from fusionscope.kernels.dispatch import forget_plans
 
 from fusionscope.bench.cases import add_rms_norm_case, kernel_module, rms_norm_case
 
@@ -55,10 +56,12 @@ def main(path: Path) -> None:
                     module.launch_config = (
                         shipped if warps is None else (lambda m, n, w=warps: {**shipped(m, n), "num_warps": w})
                     )
+                forget_plans()  # recorded launches would keep the shipped configuration
                 try:
                     us = gpu_us(lambda fn=fn, i=inputs: fn(i))
                 finally:
                     module.launch_config = shipped
+                    forget_plans()
                 rows.append({"kernel": case.kernel, "shape": case.label, "variant": label, "gpu_us": us})
                 print(f"{case.kernel:13s} {case.label:11s} {label:30s} {us:8.2f} µs", flush=True)
             del inputs

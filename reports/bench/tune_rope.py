@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.testing
+from fusionscope.kernels.dispatch import forget_plans
 from tune_norms import gpu_us  # this folder is on sys.path when run as a script
 
 from fusionscope.bench.cases import ROPE_HEADS, kernel_module, rope_case
@@ -41,10 +42,12 @@ def main(path: Path) -> None:
             if block_h is not None:
                 mod._blocks = lambda *a, h=block_h: {**blocks(*a), "BLOCK_H": h}
                 mod._num_warps = lambda *a, w=warps: w
+            forget_plans()  # recorded launches would keep the shipped tiles
             try:
                 us = gpu_us(lambda v=variant, i=inputs, c=case: c.variants[v](i))
             finally:
                 mod._blocks, mod._num_warps = blocks, num_warps
+                forget_plans()
             label = variant if block_h is None else f"{variant} BLOCK_H={block_h} warps={warps}"
             rows.append({"shape": case.label, "variant": label, "gpu_us": us, "traffic": case.traffic(inputs)})
             print(f"{case.label:22s} {label:40s} {us:8.2f} µs", flush=True)

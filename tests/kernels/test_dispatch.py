@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from fusionscope.kernels.dispatch import LeanKernel, _spec, knobs, launchable, run
+from fusionscope.kernels import dispatch
+from fusionscope.kernels.dispatch import LeanKernel, Tunables, _spec, knobs, launchable, run
 from fusionscope.kernels.rms_norm import rms_norm, rms_norm_reference
 from fusionscope.kernels.tolerances import assert_close
 from torch._library.triton import is_wrap_triton_enabled
@@ -62,13 +63,17 @@ def test_under_a_dispatch_mode_calls_go_through_the_op() -> None:
 
 
 class _Compiled:
-    """Stands in for Triton's CompiledKernel: `compiled[grid](*all_args)` launches directly."""
+    """Stands in for Triton's CompiledKernel: `compiled.run(grid, stream, function, metadata, launch metadata,
+    hooks, *all_args)` launches directly."""
+
+    function, packed_metadata = "function", "metadata"
 
     def __init__(self, log: list) -> None:
         self.log = log
 
-    def __getitem__(self, grid: tuple) -> object:
-        return lambda *args: self.log.append(("direct", grid, args))
+    def run(self, gx: int, gy: int, gz: int, stream: int, function: str, metadata: str, *rest: object) -> None:
+        assert (stream, function, metadata) == (STREAM, "function", "metadata")
+        self.log.append(("direct", (gx, gy, gz), rest[3:]))
 
 
 class _Kernel:
@@ -94,9 +99,20 @@ class _Kernel:
         return launch
 
 
+STREAM = 7
+
+
 @pytest.fixture
-def lean(monkeypatch: pytest.MonkeyPatch) -> tuple[LeanKernel, list]:
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+def gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU tensors stand in for GPU ones: the current device is 0 and its stream STREAM."""
+    monkeypatch.setattr(dispatch, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(dispatch, "_current_device", lambda: 0)
+    monkeypatch.setattr(dispatch, "_raw_stream", lambda device: STREAM)
+    monkeypatch.setattr(dispatch, "_PLANS", {})
+
+
+@pytest.fixture
+def lean(gpu: None) -> tuple[LeanKernel, list]:
     kernel = _Kernel()
     return LeanKernel(kernel), kernel.log
 
@@ -169,3 +185,122 @@ def test_only_a_plain_eager_cuda_call_gets_the_lean_launcher() -> None:
     kernel = object.__new__(JITFunction)  # identity is all `launchable` looks at before launching
     run("rms_norm", lambda *a: seen.append(type(launchable(kernel)).__name__), torch.randn(3))
     assert len(seen) == 1 and seen[0] != "LeanKernel"  # CPU tensors: never lean
+
+
+@pytest.fixture
+def kernel(gpu: None, monkeypatch: pytest.MonkeyPatch) -> _Kernel:
+    """A stand-in kernel that launchers reach through `launchable`, as they reach a JITFunction."""
+    stand_in = _Kernel()
+    monkeypatch.setitem(dispatch._LEAN_KERNELS, stand_in, LeanKernel(stand_in))
+    return stand_in
+
+
+def _norm_launcher(kernel: _Kernel, calls: list) -> object:
+    """A launcher as the kernel modules write them: launch parameters from metadata, one launch."""
+
+    def launcher(x: torch.Tensor, out: torch.Tensor, eps: float) -> None:
+        calls.append(1)
+        launchable(kernel)[(x.shape[0],)](x, x.shape[1], eps, BLOCK=64)
+        launchable(kernel)[(x.shape[0], 2)](out, x.stride(0), eps, 128)
+
+    return launcher
+
+
+def test_a_second_call_with_the_same_metadata_replays_the_recorded_launches(kernel: _Kernel) -> None:
+    calls: list = []
+    launcher = _norm_launcher(kernel, calls)
+    x, out = torch.randn(3, 40), torch.empty(3, 40)
+    run("norm", launcher, x, out, 1e-6)
+    x2, out2 = torch.randn(3, 40), torch.empty(3, 40)
+    run("norm", launcher, x2, out2, 1e-6)
+    assert len(calls) == 1  # the launcher ran for the first call only
+    first, replayed = kernel.log[:2], kernel.log[2:]
+    assert [e[0] for e in first] == ["triton", "triton"] and [e[0] for e in replayed] == ["direct", "direct"]
+    (_, grid_a, args_a), (_, grid_b, args_b) = replayed
+    assert (grid_a, grid_b) == ((3, 1, 1), (3, 2, 1))
+    assert args_a[0] is x2 and args_a[1:] == (40, 1e-6, 64, False)  # this call's tensor, the recorded constants
+    assert args_b[0] is out2 and args_b[1:] == (40, 1e-6, 128, False)
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        lambda x, out: (torch.randn(5, 40), torch.empty(5, 40), 1e-6),  # another shape
+        lambda x, out: (x.t().contiguous().t(), out, 1e-6),  # other strides
+        lambda x, out: (x.half(), out, 1e-6),  # another dtype
+        lambda x, out: (torch.randn(3 * 40 + 1)[1:].view(3, 40), out, 1e-6),  # data off 16-byte alignment
+        lambda x, out: (x, out, 1e-5),  # another non-tensor value
+    ],
+)
+def test_what_the_launcher_reads_is_part_of_the_key(kernel: _Kernel, other) -> None:
+    calls: list = []
+    launcher = _norm_launcher(kernel, calls)
+    x, out = torch.randn(3, 40), torch.empty(3, 40)
+    run("norm", launcher, x, out, 1e-6)
+    run("norm", launcher, *other(x, out))
+    assert len(calls) == 2
+
+
+def test_the_same_tensor_in_two_places_is_keyed_apart_from_two_tensors(kernel: _Kernel) -> None:
+    calls: list = []
+    launcher = _norm_launcher(kernel, calls)
+    x = torch.randn(3, 40)
+    run("norm", launcher, x, x, 1e-6)  # in place: out is x
+    out = torch.empty(3, 40)
+    run("norm", launcher, x, out, 1e-6)
+    run("norm", launcher, x, out, 1e-6)
+    assert len(calls) == 2
+    assert kernel.log[-1][2][0] is out  # a replay writes where this call asked, not into x
+
+
+def test_a_launcher_that_does_more_than_launch_is_never_replayed(kernel: _Kernel) -> None:
+    calls: list = []
+
+    def allocates(x: torch.Tensor) -> None:  # scratch made inside the launcher
+        calls.append(1)
+        launchable(kernel)[(1,)](torch.empty_like(x), 7, 1e-6, BLOCK=64)
+
+    def computes(x: torch.Tensor) -> None:  # a torch op beside the launch
+        calls.append(1)
+        x.mul_(2)
+        launchable(kernel)[(1,)](x, 7, 1e-6, BLOCK=64)
+
+    def launches_nothing(x: torch.Tensor) -> None:
+        calls.append(1)
+
+    for launcher in (allocates, computes, launches_nothing):
+        calls.clear()
+        for _ in range(3):
+            run("norm", launcher, torch.randn(4))
+        assert len(calls) == 3, launcher.__name__
+
+
+def test_changed_tunables_or_a_launch_hook_bring_the_launcher_back(
+    kernel: _Kernel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list = []
+    settings = Tunables(BLOCK=64)
+
+    def launcher(x: torch.Tensor) -> None:
+        calls.append(1)
+        launchable(kernel)[(1,)](x, 7, 1e-6, BLOCK=settings["BLOCK"])
+
+    x = torch.randn(4)
+    run("norm", launcher, x)
+    run("norm", launcher, x)
+    settings["BLOCK"] = 128
+    run("norm", launcher, x)
+    assert len(calls) == 2 and kernel.log[-1][3] == {"BLOCK": 128}
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *a: None)
+    run("norm", launcher, x)
+    assert len(calls) == 3 and kernel.log[-1][0] == "triton"
+
+
+def test_without_the_lean_path_every_call_runs_the_launcher(kernel: _Kernel, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list = []
+    launcher = lambda *args: calls.append(args)  # noqa: E731  (launchable would give wrap_triton)
+    monkeypatch.setitem(dispatch.LEAN, "enabled", False)
+    x, out = torch.randn(3, 40), torch.empty(3, 40)
+    for _ in range(2):
+        run("norm", launcher, x, out, 1e-6)
+    assert len(calls) == 2 and not dispatch._PLANS
