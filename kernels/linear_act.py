@@ -254,6 +254,13 @@ def _linear_act_op(
 triton_op("fusionscope::linear_act", mutates_args={"out"})(_linear_act_op)
 
 
+@torch.compiler.assume_constant_result
+def _fp32_matmul_precision() -> str:
+    """torch's matmul precision setting; a constant to torch.compile, which cannot trace the getter (it returns a
+    string) and would otherwise break the graph here."""
+    return torch.get_float32_matmul_precision()
+
+
 def linear_act(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -308,6 +315,5 @@ def linear_act(
         reason = _epilogue_applies(x2d, weight, bias, activation, out2d)
         if reason is not None:
             raise ValueError(f"backend='cublaslt' cannot run this call: {reason}")
-    precision = torch.get_float32_matmul_precision()
-    run("linear_act", _linear_act_op, x2d, weight, bias, activation, backend, out2d, precision)
+    run("linear_act", _linear_act_op, x2d, weight, bias, activation, backend, out2d, _fp32_matmul_precision())
     return out

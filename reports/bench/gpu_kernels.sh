@@ -3,7 +3,8 @@
 #   source .gpu/boot.sh && bash reports/bench/gpu_kernels.sh "$OUT" [check|bench|tune|host|all]
 # check: the kernel test suite compiled on the GPU (CUDA tensors, no interpreter), then check_kernels.py (one launch
 #        per call, no hidden copy, fusionscope::<op> in a torch.compile(fullgraph=True) graph, CUDA-graph replay equal
-#        to eager). bench: `fusionscope bench` over the full shape sweep. tune: where the host time of a call goes
+#        to eager; TESTS="tests/kernels/test_x.py ..." narrows the suite). bench: `fusionscope bench` over the full
+#        shape sweep. tune: where the host time of a call goes
 #        (host_cost.py) and launch-parameter sweeps for the norms and rope (tune_norms.py, tune_rope.py); host: only
 #        host_cost.py.
 #        Results land in OUT.
@@ -18,7 +19,7 @@ if [ "$what" = check ] || [ "$what" = all ]; then
   # The tests run from a copy holding only tests/, so `fusionscope` (and its `kernels` mapping) is the installed one.
   work=$(mktemp -d)
   cp -r tests "$work/"
-  (cd "$work" && python3 -m pytest tests/kernels -q -p no:cacheprovider -o pythonpath=. -W ignore::pytest.PytestUnknownMarkWarning) > "$out/pytest_kernels.log" 2>&1
+  (cd "$work" && python3 -m pytest ${TESTS:-tests/kernels} -q -p no:cacheprovider -o pythonpath=. -W ignore::pytest.PytestUnknownMarkWarning) > "$out/pytest_kernels.log" 2>&1
   rc=$?
   tail -15 "$out/pytest_kernels.log"
   echo "pytest rc=$rc"; [ $rc = 0 ] || status=1
