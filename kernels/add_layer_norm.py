@@ -9,8 +9,9 @@ Bytes per row of width N in a dtype of size s (weight/bias: N·s_w each, read on
   fused   = read 2·N·s, write 2·N·s                                                                 = 4·N·s
 For a memory-bound kernel that predicts 5/4 = 1.25x on the pair, and one launch instead of two (which dominates at
 decode, where M is the batch size). Measured on an H200 (bf16, 8192 x 4096, CUDA-graph timing): 68.5 us fused
-(3.9 TB/s) vs 104 us eager, 1.5x; 4 rows: 2.5 us vs 7.7 us of GPU time, but in eager mode the triton_op call costs
-~80 us of host time against ~22 us for eager's two launches, so decode gains only when compiled or graphed.
+(3.9 TB/s) vs 104 us eager, 1.5x; 4 rows: 2.5 us vs 7.7 us of GPU time. At decode the host cost of an eager
+call decides, and there the fused call gains little: 26–50 us through the replayed launch (`dispatch`) against
+34–36 us for eager's two aten ops, measured on different calls of a host whose speed varies (reports/bench/).
 
 Numerics, as eager: the sum is rounded to the input dtype (it is the stored residual, and eager's layer_norm reads that
 rounded value); the statistics and the affine transform are computed in fp32 (as `F.layer_norm` does for half types on

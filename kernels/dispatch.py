@@ -92,7 +92,7 @@ def _plain_eager(args: tuple) -> bool:
 
 
 def _hooked(hook: Any) -> bool:
-    """A launch hook is set: a callable (triton 3.6) or a non-empty `HookChain` (later versions)."""
+    """A launch hook is set: a callable, or a `HookChain` (what triton 3.6+ holds there) with calls in it."""
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
