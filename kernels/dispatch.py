@@ -24,7 +24,8 @@ argument a plain `torch.Tensor` or `nn.Parameter` on the GPU — takes one of tw
    arithmetic, launch configuration and Triton's per-argument specialisation — and launch the recorded kernels with
    this call's tensors, straight through the compiled kernel's launcher (the same call `JITFunction.run` ends in).
    A launcher that does anything else — a torch op (an allocation, a cuBLAS call), a launch on a tensor that is not
-   one of the call's arguments, a launch that took Triton's usual path — is never replayed for that key.
+   one of the call's arguments, a launch that took Triton's usual path, a kernel that is no plain `JITFunction` (an
+   autotuner) — is never replayed for that key.
 2. **Lean launch.** Otherwise launchers run with `wrap_triton` switched off (as `triton_op`'s own eager
    implementation does) and get a `LeanKernel`: it keys the compiled kernel on a summary of the arguments at least
    as fine as Triton's specialisation (dtype and alignment of each tensor; for each integer whether it is 1,
@@ -158,21 +159,29 @@ def forget_plans() -> None:
     _PLANS.clear()
 
 
+def _forgetting(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A `dict` method that also forgets the recorded plans."""
+
+    def changed(self: dict, *args: Any, **kwargs: Any) -> Any:
+        result = method(self, *args, **kwargs)
+        forget_plans()
+        return result
+
+    return changed
+
+
 class Tunables(dict):
-    """A kernel module's settings that its launcher reads (tile sizes, paths): changing one forgets the plans, so
-    the next call runs the launcher with the new value."""
+    """A kernel module's settings that its launcher reads (tile sizes, paths): changing one — by any of dict's
+    mutators — forgets the plans, so the next call runs the launcher with the new value."""
 
-    def __setitem__(self, key: str, value: Any) -> None:
-        super().__setitem__(key, value)
-        forget_plans()
-
-    def __delitem__(self, key: str) -> None:
-        super().__delitem__(key)
-        forget_plans()
-
-    def update(self, *args: Any, **kwargs: Any) -> None:
-        super().update(*args, **kwargs)
-        forget_plans()
+    __setitem__ = _forgetting(dict.__setitem__)
+    __delitem__ = _forgetting(dict.__delitem__)
+    __ior__ = _forgetting(dict.__ior__)
+    update = _forgetting(dict.update)
+    setdefault = _forgetting(dict.setdefault)
+    pop = _forgetting(dict.pop)
+    popitem = _forgetting(dict.popitem)
+    clear = _forgetting(dict.clear)
 
 
 def _replay_key(launcher: Callable[..., None], args: tuple) -> tuple | None:
@@ -287,6 +296,9 @@ def launchable(kernel: Any) -> Any:
             lean = _LEAN_KERNELS[kernel] = LeanKernel(kernel)
         if lean is not None:
             return lean
+    recorder = getattr(_eager, "recorder", None)
+    if recorder is not None:  # a launch the recorder would not see (an autotuned kernel): never replay this call
+        recorder.spoiled = True
     return wrap_triton(kernel)
 
 
@@ -331,6 +343,7 @@ def run(name: str, launcher: Callable[..., None], *args: Any) -> None:
         _replay(plan, args, key[-1])  # the key ends with the current device
         return
     recorder = _Recorder(args) if plan is _MISSING else None
+    outer = getattr(_eager, "active", False), getattr(_eager, "recorder", None)  # a launcher may call `run` again
     with set_wrap_triton_enabled(False):
         _eager.active = key is not None
         _eager.recorder = recorder
@@ -341,8 +354,7 @@ def run(name: str, launcher: Callable[..., None], *args: Any) -> None:
                 with recorder:
                     launcher(*args)
         finally:
-            _eager.active = False
-            _eager.recorder = None
+            _eager.active, _eager.recorder = outer
     if recorder is not None:
         if len(_PLANS) >= MAX_PLANS:
             forget_plans()

@@ -101,13 +101,14 @@ def replay_check(name: str, case, form: str) -> tuple[bool, bool]:
         replayed_out = fresh()
     finally:
         dispatch._replay = real_replay
+    lean = dict(dispatch.LEAN)
     dispatch.LEAN["enabled"] = False
     try:
         torch.manual_seed(1234)
         same_inputs, _ = make_call(name, case, form, case.build(torch.device("cuda"), torch.bfloat16))
         usual_out = same_inputs()
     finally:
-        dispatch.LEAN["enabled"] = True
+        dispatch.LEAN.update(lean)
     return bool(replays), same(replayed_out, usual_out)
 
 

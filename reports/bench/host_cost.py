@@ -59,13 +59,14 @@ def paths(fn) -> dict[str, float]:
         result["python_us"] = host_us(fn)
     finally:
         dispatch._launch_compiled = real_launch
+    lean = dict(dispatch.LEAN)
     dispatch.LEAN["replay"] = False
     try:
         result["lean_launch_us"] = host_us(fn)
         dispatch.LEAN["enabled"] = False
         result["triton_launch_us"] = host_us(fn)
     finally:
-        dispatch.LEAN.update(enabled=True, replay=True)
+        dispatch.LEAN.update(lean)
     return result
 
 

@@ -47,9 +47,10 @@ class _Seen(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_under_a_dispatch_mode_calls_go_through_the_op() -> None:
+def test_under_a_dispatch_mode_calls_go_through_the_op(monkeypatch: pytest.MonkeyPatch) -> None:
     """make_fx, FakeTensorMode and the dataflow recorder are dispatch modes: there the kernel must be the
     registered op (which they can see and trace), never a raw launch behind their back."""
+    monkeypatch.setattr(dispatch, "_PLANS", {})  # on a GPU the plain call below records a plan: keep it local
     x = torch.randn(3, 40, device=device())
     weight = torch.rand(40, device=device()) + 0.5
     with _Seen() as seen:
@@ -294,6 +295,92 @@ def test_changed_tunables_or_a_launch_hook_bring_the_launcher_back(
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *a: None)
     run("norm", launcher, x)
     assert len(calls) == 3 and kernel.log[-1][0] == "triton"
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda s: s.__setitem__("BLOCK", 128),
+        lambda s: s.update(BLOCK=128),
+        lambda s: s.__ior__({"BLOCK": 128}),
+        lambda s: s.setdefault("WARPS", 4),
+        lambda s: s.pop("BLOCK"),
+        lambda s: s.popitem(),
+        lambda s: s.__delitem__("BLOCK"),
+        lambda s: s.clear(),
+    ],
+)
+def test_every_change_of_tunables_forgets_the_plans(kernel: _Kernel, change) -> None:
+    settings = Tunables(BLOCK=64)
+    run("norm", lambda x: launchable(kernel)[(1,)](x, 7, 1e-6, BLOCK=64), torch.randn(4))
+    assert dispatch._PLANS
+    change(settings)
+    assert not dispatch._PLANS
+
+
+def test_a_launch_the_recorder_cannot_see_keeps_the_launcher_running(
+    kernel: _Kernel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kernel that is no JITFunction (an autotuner, say) launches through `wrap_triton`: a replay would drop it."""
+    monkeypatch.setattr(dispatch, "wrap_triton", lambda k: k)
+    other = _Kernel()
+    calls: list = []
+
+    def launcher(x: torch.Tensor) -> None:
+        calls.append(1)
+        launchable(kernel)[(1,)](x, 7, 1e-6, BLOCK=64)
+        launchable(other)[(1,)](x, 7, 1e-6, BLOCK=64)
+
+    x = torch.randn(4)
+    for _ in range(3):
+        run("norm", launcher, x)
+    assert len(calls) == 3 and len(other.log) == 3
+
+
+def test_a_launcher_that_raises_records_nothing_and_restores_the_state(kernel: _Kernel) -> None:
+    def launcher(x: torch.Tensor) -> None:
+        launchable(kernel)[(1,)](x, 7, 1e-6, BLOCK=64)
+        raise ValueError("bad launch")
+
+    with pytest.raises(ValueError, match="bad launch"):
+        run("norm", launcher, torch.randn(4))
+    assert not dispatch._PLANS
+    assert not getattr(dispatch._eager, "active", False) and getattr(dispatch._eager, "recorder", None) is None
+
+
+def test_a_nested_call_leaves_the_outer_launcher_its_lean_path(
+    kernel: _Kernel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(While a call is recorded, a nested call sees the recorder's dispatch mode and takes the op: replays off.)"""
+    monkeypatch.setitem(dispatch.LEAN, "replay", False)
+    seen: list = []
+
+    def inner(x: torch.Tensor) -> None:
+        launchable(kernel)[(1,)](x, 7, 1e-6, BLOCK=64)
+
+    def outer(x: torch.Tensor) -> None:
+        run("inner", inner, x)
+        seen.append(type(launchable(kernel)).__name__)
+        launchable(kernel)[(1,)](x, 7, 1e-6, BLOCK=64)
+
+    x = torch.randn(4)
+    run("outer", outer, x)
+    assert seen == ["LeanKernel"]
+
+
+def test_with_replay_off_the_launcher_runs_and_launches_lean(kernel: _Kernel, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(dispatch.LEAN, "replay", False)
+    calls: list = []
+
+    def launcher(x: torch.Tensor) -> None:
+        calls.append(1)
+        launchable(kernel)[(1,)](x, 7, 1e-6, BLOCK=64)
+
+    x = torch.randn(4)
+    for _ in range(2):
+        run("norm", launcher, x)
+    assert len(calls) == 2 and not dispatch._PLANS
+    assert [entry[0] for entry in kernel.log] == ["triton", "direct"]
 
 
 def test_without_the_lean_path_every_call_runs_the_launcher(kernel: _Kernel, monkeypatch: pytest.MonkeyPatch) -> None:
