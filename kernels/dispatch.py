@@ -16,7 +16,7 @@ slow:
 So a plain eager call — no torch.compile, no dispatch mode (make_fx, FakeTensorMode, ...) active, every tensor
 argument a plain `torch.Tensor` or `nn.Parameter` on the GPU — takes one of two lean paths:
 
-1. **Replay.** A launcher is a function of its arguments' metadata only: shapes, strides, dtypes, devices, 16-byte
+1. **Replay.** A launcher must be a function of its arguments' metadata only: shapes, strides, dtypes, devices, 16-byte
    alignment of the data, and the values of the non-tensor arguments. `run` keys each call on exactly that (plus
    which arguments are the same tensor, and the current device). The first call of a key runs the launcher while
    recording what it launches: per launch the compiled kernel, the grid, and every kernel argument, each either a
@@ -34,9 +34,9 @@ argument a plain `torch.Tensor` or `nn.Parameter` on the GPU — takes one of tw
 
 Triton's launch hooks (set by profilers such as proton) or an unexpected argument type send a launch Triton's usual
 way. `LEAN["enabled"] = False` (or `FUSIONSCOPE_LEAN_LAUNCH=0`) switches both lean paths off, `LEAN["replay"] = False`
-the first. A launcher that reads
-module-level settings must keep them in a `Tunables` dict (changing one forgets the recorded plans), or whoever
-patches it calls `forget_plans()`.
+the first. A launcher that reads module-level settings must keep them in a `Tunables` dict (changing one forgets the
+recorded plans), or whoever patches it calls `forget_plans()`; global torch state (a matmul precision, say) is read by
+the public function and passed in as an argument.
 """
 
 from __future__ import annotations
