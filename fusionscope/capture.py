@@ -115,22 +115,18 @@ def run_sequence(workload: Workload, run_step: StepRunner) -> None:
 
 
 @contextmanager
-def module_ranges(root: torch.nn.Module) -> Iterator[None]:
-    """Open a `record_function("nn.Module: <qualified name>")` range around every submodule's forward."""
-    stack: list[Any] = []
+def around_modules(root: torch.nn.Module, enter: Callable[[str], None], leave: Callable[[], None]) -> Iterator[None]:
+    """Call `enter(name)` before and `leave()` after every submodule's forward (name: its qualified name, the root's
+    class name for the root; `leave` runs even when the forward raises); the hooks are removed on exit."""
     handles = []
     root_name = type(root).__name__
     for name, mod in root.named_modules():
-        label = MODULE_PREFIX + (name or root_name)
 
-        def pre(_m: torch.nn.Module, _args: Any, label: str = label) -> None:
-            rf = record_function(label)
-            rf.__enter__()
-            stack.append(rf)
+        def pre(_m: torch.nn.Module, _args: Any, label: str = name or root_name) -> None:
+            enter(label)
 
         def post(_m: torch.nn.Module, _args: Any, _out: Any) -> None:
-            if stack:
-                stack.pop().__exit__(None, None, None)
+            leave()
 
         handles.append(mod.register_forward_pre_hook(pre))
         handles.append(mod.register_forward_hook(post, always_call=True))
@@ -139,6 +135,24 @@ def module_ranges(root: torch.nn.Module) -> Iterator[None]:
     finally:
         for h in handles:
             h.remove()
+
+
+@contextmanager
+def module_ranges(root: torch.nn.Module) -> Iterator[None]:
+    """Open a `record_function("nn.Module: <qualified name>")` range around every submodule's forward."""
+    stack: list[Any] = []
+
+    def enter(label: str) -> None:
+        rf = record_function(MODULE_PREFIX + label)
+        rf.__enter__()
+        stack.append(rf)
+
+    def leave() -> None:
+        if stack:
+            stack.pop().__exit__(None, None, None)
+
+    with around_modules(root, enter, leave):
+        yield
 
 
 def capture(

@@ -19,10 +19,10 @@ the recorder also saw, and aligns the two sequences step by step.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -211,28 +211,10 @@ def _split(value: Any, tensors: list[torch.Tensor], scalars: list[str], prefix: 
         scalars.append(prefix + str(value))
 
 
-@contextmanager
-def _module_stack(root: torch.nn.Module, stack: list[str]) -> Iterator[None]:
+def _module_stack(root: torch.nn.Module, stack: list[str]) -> contextlib.AbstractContextManager[None]:
     """Keep `stack[-1]` the innermost running module, labelled as `capture.module_ranges` labels its ranges (the root
     by its class name), so that node and timed op agree on `module`."""
-    handles = []
-    root_name = type(root).__name__
-    for name, mod in root.named_modules():
-
-        def pre(_m: torch.nn.Module, _args: Any, label: str = name or root_name) -> None:
-            stack.append(label)
-
-        def post(_m: torch.nn.Module, _args: Any, _out: Any) -> None:
-            if stack:
-                stack.pop()
-
-        handles.append(mod.register_forward_pre_hook(pre))
-        handles.append(mod.register_forward_hook(post, always_call=True))
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
+    return capture.around_modules(root, stack.append, lambda: stack.pop() if stack else None)
 
 
 def record_dataflow(workload: Workload) -> pd.DataFrame:

@@ -33,6 +33,12 @@ def gpu_us(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3
 
 
+def write_rows(path: Path, rows: list[dict]) -> None:
+    """The sweep's rows and the device and versions they were measured with, as JSON."""
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n", encoding="utf-8")
+
+
 def main(path: Path) -> None:
     torch._dynamo.config.recompile_limit = 64
     rms_mod, add_mod = kernel_module("rms_norm"), kernel_module("add_rms_norm")
@@ -66,8 +72,7 @@ def main(path: Path) -> None:
                 print(f"{case.kernel:13s} {case.label:11s} {label:30s} {us:8.2f} µs", flush=True)
             del inputs
             torch.cuda.empty_cache()
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
-    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n", encoding="utf-8")
+    write_rows(path, rows)
 
 
 if __name__ == "__main__":

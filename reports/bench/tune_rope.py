@@ -9,15 +9,12 @@ prefill and decode shapes (GPU time by CUDA-graph replay, median), everything el
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import torch
-import triton
-import triton.testing
 from fusionscope.kernels.dispatch import forget_plans
-from tune_norms import gpu_us  # this folder is on sys.path when run as a script
+from tune_norms import gpu_us, write_rows  # this folder is on sys.path when run as a script
 
 from fusionscope.bench.cases import ROPE_HEADS, kernel_module, rope_case
 
@@ -53,8 +50,7 @@ def main(path: Path) -> None:
             print(f"{case.label:22s} {label:40s} {us:8.2f} µs", flush=True)
         del inputs
         torch.cuda.empty_cache()
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
-    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n", encoding="utf-8")
+    write_rows(path, rows)
 
 
 if __name__ == "__main__":
