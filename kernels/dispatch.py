@@ -22,7 +22,10 @@ argument a plain `torch.Tensor` or `nn.Parameter` on the GPU — takes one of tw
    recording what it launches: per launch the compiled kernel, the grid, and every kernel argument, each either a
    constant or "the i-th argument of this call". Later calls with the key skip the launcher — its layout
    arithmetic, launch configuration and Triton's per-argument specialisation — and launch the recorded kernels with
-   this call's tensors, straight through the compiled kernel's launcher (the same call `JITFunction.run` ends in).
+   this call's tensors, passed as their data pointers, straight through the compiled kernel's launcher (the same call
+   `JITFunction.run` ends in). Given a pointer, that launcher neither calls `data_ptr()` nor asks the driver whether
+   it is device memory: every tensor argument must be on the current GPU (as for Triton's own launch; the public
+   functions check that they share one device).
    A launcher that does anything else — a torch op (an allocation, a cuBLAS call), a launch on a tensor that is not
    one of the call's arguments, a launch that took Triton's usual path, a kernel that is no plain `JITFunction` (an
    autotuner) — is never replayed for that key.
@@ -86,7 +89,9 @@ def _raw_stream(device: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device)
 
 
-def _plain_eager(args: tuple) -> bool:
+def plain_eager(args: tuple) -> bool:
+    """No torch.compile tracing, no dispatch mode (make_fx, FakeTensorMode, ...) active, and every tensor among `args`
+    a plain `torch.Tensor` or `nn.Parameter`: a call that needs no registered op to be seen."""
     if set_wrap_triton_enabled is None or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return False
     return all(type(a) in _PLAIN for a in args if isinstance(a, torch.Tensor))
@@ -112,8 +117,9 @@ def _launch_compiled(compiled: Any, grid: tuple[int, int, int], args: list | tup
 
 
 class _Launch(NamedTuple):
-    """One recorded launch: kernel arguments are `template` with position p replaced by the call's argument i for
-    every (p, i) in `slots` (the tensors; `template` holds None there, so a plan keeps no tensor alive)."""
+    """One recorded launch: kernel arguments are `template` with position p replaced by the data pointer of the call's
+    argument i for every (p, i) in `slots` (the tensors; `template` holds None there, so a plan keeps no tensor
+    alive)."""
 
     compiled: Any
     grid: tuple[int, int, int]
@@ -184,19 +190,23 @@ class Tunables(dict):
     clear = _forgetting(dict.clear)
 
 
-def _replay_key(launcher: Callable[..., None], args: tuple) -> tuple | None:
-    """What a launcher's behaviour depends on, for a plain eager call on GPU tensors; None for any other call.
-    (Every tensor argument of a launcher is on one device — the public functions check it — so the first one says
-    whether the call is on the GPU.) Runs on every call: written for speed."""
+def _replay_key(launcher: Callable[..., None], args: tuple) -> tuple[tuple, list] | None:
+    """What a launcher's behaviour depends on, for a plain eager call on GPU tensors, and each argument's data pointer
+    (None for a non-tensor); None for any other call. (Every tensor argument of a launcher is on one device — the
+    public functions check it — so the first one says whether the call is on the GPU.) Runs on every call: written
+    for speed."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return None
     key: list = [launcher]
+    pointers: list = []
     ids = []
     first = None
     for a in args:
         kind = type(a)
         if kind is _TENSOR or kind is _PARAMETER:
-            key.append((a.shape, a.stride(), a.dtype, a.data_ptr() % 16))
+            pointer = a.data_ptr()
+            key.append((a.shape, a.stride(), a.dtype, pointer % 16))
+            pointers.append(pointer)
             ids.append(id(a))
             if first is None:
                 first = a
@@ -205,19 +215,23 @@ def _replay_key(launcher: Callable[..., None], args: tuple) -> tuple | None:
         else:  # by type and value: 1, 1.0 and True are equal dictionary keys
             key.append(kind)
             key.append(a)
+            pointers.append(None)
     if first is None or not _on_gpu(first):
         return None
     if len(set(ids)) != len(ids):  # the same tensor passed twice (in place): which ones is part of the key
         key.append(tuple(ids.index(i) for i in ids))
     key.append(_current_device())
-    return tuple(key)
+    return tuple(key), pointers
 
 
-def _replay(plan: tuple[_Launch, ...], args: tuple, device: int) -> None:
+def _replay(plan: tuple[_Launch, ...], pointers: list, device: int) -> None:
+    """Launch the recorded kernels with this call's tensors, passed as their data pointers: the compiled launcher
+    takes an int as the pointer itself, where for a tensor it would call `data_ptr()` and ask the driver whether the
+    pointer is a device pointer (`run`'s contract: every tensor on the current GPU)."""
     for launch in plan:
         kernel_args = launch.template.copy()
         for pos, index in launch.slots:
-            kernel_args[pos] = args[index]
+            kernel_args[pos] = pointers[index]
         _launch_compiled(launch.compiled, launch.grid, kernel_args, device)
 
 
@@ -333,14 +347,17 @@ def _plan(key: tuple | None) -> tuple[_Launch, ...] | object | None:
 
 def run(name: str, launcher: Callable[..., None], *args: Any) -> None:
     """Launch `fusionscope::<name>`'s kernels for these arguments: a replay or the plain launcher in plain eager mode,
-    the registered op otherwise (same arguments, same effect)."""
-    key = _replay_key(launcher, args) if LEAN["enabled"] and set_wrap_triton_enabled is not None else None
-    if key is None and not _plain_eager(args):
+    the registered op otherwise (same arguments, same effect). Every tensor argument must be on one device, the
+    current one (the public functions check the first, Triton's launch assumes the second): a replay passes raw data
+    pointers."""
+    keyed = _replay_key(launcher, args) if LEAN["enabled"] and set_wrap_triton_enabled is not None else None
+    key = None if keyed is None else keyed[0]
+    if key is None and not plain_eager(args):
         getattr(torch.ops.fusionscope, name)(*args)
         return
     plan = _plan(key)
     if plan is not None and plan is not _MISSING:
-        _replay(plan, args, key[-1])  # the key ends with the current device
+        _replay(plan, keyed[1], key[-1])  # the key ends with the current device
         return
     recorder = _Recorder(args) if plan is _MISSING else None
     outer = getattr(_eager, "active", False), getattr(_eager, "recorder", None)  # a launcher may call `run` again

@@ -22,18 +22,26 @@ Two implementations behind one op:
   against `F.gelu(approximate="tanh")` in fp32). So the epilogue serves "gelu_tanh" on CUDA and "gelu" on the CPU, and
   only there. It needs a bias, unit stride along K for x and W, and a contiguous bias and output; otherwise cuBLAS
   would copy an operand or run a second kernel.
-- a Triton matmul (64×64×32 tiles, one config, grouped tile order for L2 reuse) with the bias and any of the five
+- a Triton matmul (tiles by M from `TRITON_TILES`, grouped tile order for L2 reuse) with the bias and any of the five
   activations in its epilogue, for everything else: silu, exact gelu on CUDA, no bias, strided inputs or outputs.
   Operands go to `tl.dot` in their own dtype on the GPU (tensor cores; fp32 inputs use TF32 only when
   `torch.get_float32_matmul_precision()` allows it, as `F.linear` does) and are upcast to fp32 first under the
   interpreter, which computes `tl.dot` on bf16 wrongly: the launcher sets the constexpr `UPCAST` from
   `TRITON_INTERPRET == "1"`, since the kernel itself cannot know. Accumulation is fp32; the output is rounded once.
 
-Measured on an H200 (torch 2.11, triton 3.6; bf16, x (4096, 768), weight (3072, 768); GPU time by CUDA-graph replay):
-relu and gelu_tanh through the cuBLASLt epilogue 33 and 36 µs against 46 and 49 µs for `linear_act_reference`
-(linear, then the activation) and 75–78 µs for `linear_act_unfused`; the Triton path with its one 64×64×32 config ran
-67–78 µs, so for exact gelu and silu at this size the fused kernel is SLOWER than cuBLAS + a separate activation
-(52 and 50 µs) — the tile config, not the epilogue, is the limit. At M = 8 every variant takes 4–8 µs.
+Measured on an H200 (torch 2.11, triton 3.6, bf16, GPU time by CUDA-graph replay; `reports/bench/tune_linear_act.py`):
+- cuBLASLt's tanh-GELU epilogue against eager `gelu(linear)`: 34 against 36 µs at 1×4096→16384, 37 against 40 at
+  64 rows, 209 against 229 at 1024 rows, 868 against 892 at 4096 rows, 36 against 51 at 4096×768→3072, 28 against 34
+  at 4096×3072→768.
+- the Triton path (exact GELU) with the tiles above: 34.4, 41.6, 283, 1127, 64 and 50 µs at those shapes. It matches
+  cuBLAS at M = 1 but takes 1.3–1.8× its time at prefill sizes (Triton 3.6's non-persistent matmul): where cuBLASLt has
+  the epilogue, that is the faster fused kernel, and for exact GELU or SiLU at large M the unfused cuBLAS GEMM plus a
+  separate activation can still be faster than the fused Triton kernel.
+- cuBLAS itself issues a device memset (of its workspace) before the GEMM at some shapes — 1024 and 4096 rows at
+  4096→16384, 4096×768→3072 — for the epilogue, `addmm`, `F.linear` and `mm` alike; with `CUBLASLT_WORKSPACE_SIZE=0`
+  the Lt forms pick a variant without it (824 against 838 µs at 4096 rows, 228 against 211 µs at 1024 rows). It is a
+  driver memset, not a kernel launch, and with the default workspace no form of this GEMM avoids it at those shapes;
+  this module leaves the workspace setting to the user.
 
 `backend="auto"` picks the cuBLASLt epilogue on CUDA when it applies and Triton otherwise (always Triton on the CPU,
 where torch's "epilogue" is addmm followed by a second pass); "triton" and "cublaslt" force one (on the CPU
@@ -42,6 +50,8 @@ where torch's "epilogue" is addmm followed by a second pass); "triton" and "cubl
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import os
 
@@ -49,7 +59,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from fusionscope.kernels.dispatch import cdiv, launchable, run
+from fusionscope.kernels.dispatch import Tunables, cdiv, launchable, plain_eager, run
 from torch.library import triton_op
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu", "none")
@@ -160,10 +170,55 @@ def _linear_act_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+# Triton tiles by the number of rows M: (largest M, config); the first entry whose bound M does not exceed applies.
+# Measured on an H200 (bf16, exact GELU; `reports/bench/tune_linear_act.py`, results in reports/bench/): a decode-sized
+# M wastes most of a tall tile, so a 16-row tile with long K steps streams the weight at cuBLAS's speed at M = 1; at
+# prefill sizes wide 128×256 tiles re-read the operands least. M between 65 and 1023 was not measured, nor fp32 (whose
+# K step the launcher halves: 128×256×64 fp32 tiles in 4 stages need 288 KiB of shared memory, the H200 has 227).
+# On a GPU with less shared memory `fit_shared_memory` takes stages, then K step, away until a tile fits.
+TRITON_TILES = Tunables(
+    decode=(16, {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}),
+    small=(256, {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}),
+    large=(None, {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}),
+)
+
+
+def triton_tiles(M: int) -> dict[str, int]:
+    """The tile configuration of `TRITON_TILES` for M rows."""
+    for bound, config in TRITON_TILES.values():
+        if bound is None or bound >= M:
+            return config
+    raise ValueError("TRITON_TILES needs a last entry without a bound")
+
+
+def fit_shared_memory(tiles: dict[str, int], element_size: int, limit: int) -> dict[str, int]:
+    """`tiles` with fewer pipeline stages, then a shorter K step, until its operand buffers fit in `limit` bytes of
+    shared memory. Triton keeps num_stages - 1 buffers of an x tile (BLOCK_M × BLOCK_K) and a weight tile
+    (BLOCK_K × BLOCK_N): 288 KiB for 128×256×64 fp32 in 4 stages, the figure it reported on the H200."""
+    fitted = dict(tiles)
+
+    def need() -> int:
+        block_k = fitted["BLOCK_K"]
+        return (fitted["num_stages"] - 1) * (fitted["BLOCK_M"] + fitted["BLOCK_N"]) * block_k * element_size
+
+    while need() > limit and fitted["num_stages"] > 2:
+        fitted["num_stages"] -= 1
+    while need() > limit and fitted["BLOCK_K"] > 16:
+        fitted["BLOCK_K"] //= 2
+    return fitted
+
+
+@functools.cache
+def _shared_memory_limit(device: int) -> int:
+    """Bytes of shared memory a program may use on this GPU, as Triton checks it."""
+    return triton.runtime.driver.active.utils.get_device_properties(device)["max_shared_mem"]
+
+
 def _epilogue_applies(
-    x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str, out2d: torch.Tensor
+    x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str, out2d: torch.Tensor | None
 ) -> str | None:
-    """None when torch's fused epilogue (cuBLASLt on CUDA) computes this call in one kernel, else the reason not."""
+    """None when torch's fused epilogue (cuBLASLt on CUDA) computes this call in one kernel, else the reason not.
+    out2d None: the output is fresh (contiguous)."""
     table = _EPILOGUE.get(x2d.device.type, {})
     if activation not in table:
         return f"torch has no fused {activation!r} epilogue on {x2d.device.type}"
@@ -171,7 +226,7 @@ def _epilogue_applies(
         return "the activation epilogue needs a bias"
     if x2d.stride(1) != 1 or weight.stride(1) != 1:
         return "x and weight need unit stride along K"
-    if (bias is not None and bias.stride(0) != 1) or not out2d.is_contiguous():
+    if (bias is not None and bias.stride(0) != 1) or (out2d is not None and not out2d.is_contiguous()):
         return "bias and out must be contiguous"
     return None
 
@@ -186,11 +241,15 @@ def _launch_triton(
 ) -> None:
     M, K = x2d.shape
     N = weight.shape[0]
-    BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
+    tiles = triton_tiles(M)
+    if x2d.element_size() == 4:  # fp32: twice the bytes per element (the large tile would overflow shared memory)
+        tiles = {**tiles, "BLOCK_K": tiles["BLOCK_K"] // 2}
+    if x2d.is_cuda:  # the interpreter has no shared memory to fit
+        tiles = fit_shared_memory(tiles, x2d.element_size(), _shared_memory_limit(x2d.device.index))
     # fp32 operands: full precision unless torch allows TF32 for matmuls, as F.linear would use it.
     full_fp32 = x2d.dtype == torch.float32 and fp32_precision == "highest"
     precision = "ieee" if full_fp32 else "tf32"
-    grid = (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),)
+    grid = (cdiv(M, tiles["BLOCK_M"]) * cdiv(N, tiles["BLOCK_N"]),)
     launchable(_linear_act_kernel)[grid](
         x2d,
         weight,
@@ -210,25 +269,21 @@ def _launch_triton(
         ACTIVATION=_ACT_CODE[activation],
         UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
         PRECISION=precision,
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
-        GROUP_M=8,
-        num_warps=4,
-        num_stages=3,
+        **tiles,
     )
 
 
 def _launch_epilogue(
-    x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str, out2d: torch.Tensor
-) -> None:
+    x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str, out2d: torch.Tensor | None
+) -> torch.Tensor:
+    """The call through torch's epilogue op, into out2d, or into a fresh (M, N) tensor when out2d is None (torch
+    allocates it in C++: cheaper than an `out=` argument). Returns the result."""
     use_gelu = _EPILOGUE[x2d.device.type][activation]
     if use_gelu is None and bias is None:
-        torch.mm(x2d, weight.t(), out=out2d)
-    elif use_gelu is None:
-        torch.addmm(bias, x2d, weight.t(), out=out2d)
-    else:
-        torch._addmm_activation(bias, x2d, weight.t(), use_gelu=use_gelu, out=out2d)
+        return torch.mm(x2d, weight.t(), out=out2d)
+    if use_gelu is None:
+        return torch.addmm(bias, x2d, weight.t(), out=out2d)
+    return torch._addmm_activation(bias, x2d, weight.t(), use_gelu=use_gelu, out=out2d)
 
 
 def _linear_act_op(
@@ -277,6 +332,7 @@ def linear_act(
     Returns (..., N) in x's dtype, into `out` if given (any strides whose leading dims flatten to rows).
     backend: "auto" (cuBLASLt epilogue where it applies, see the module docstring, else Triton), "triton" or
     "cublaslt" (ValueError where torch has no such epilogue).
+    For inference: like every fusionscope kernel, the result carries no autograd history.
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
@@ -301,19 +357,31 @@ def linear_act(
             f"x's leading dims must flatten to rows without a copy (shape {tuple(x.shape)}, strides {x.stride()})"
         ) from None
     out_shape = (*x.shape[:-1], N)
+    out2d = None
+    if out is not None:
+        if tuple(out.shape) != out_shape or out.dtype != x.dtype or out.device != x.device:
+            raise ValueError(
+                f"out must be {out_shape} {x.dtype} on {x.device}, got {tuple(out.shape)} {out.dtype} on {out.device}"
+            )
+        try:
+            out2d = out.view(x2d.shape[0], N)
+        except RuntimeError:
+            raise ValueError(
+                f"out's leading dims must flatten to rows without a copy (strides {out.stride()})"
+            ) from None
+    epilogue = backend != "triton" and (x.is_cuda or backend == "cublaslt")  # auto on the CPU: always Triton
+    reason = _epilogue_applies(x2d, weight, bias, activation, out2d) if epilogue else "the Triton path was chosen"
+    if backend == "cublaslt" and reason is not None:
+        raise ValueError(f"backend='cublaslt' cannot run this call: {reason}")
+    if reason is None and plain_eager((x2d, weight, bias, out2d)):
+        # One torch op already: in eager mode the registered op's dispatch would only add host time (the op is for
+        # torch.compile's graph, where it stays visible as fusionscope::linear_act).
+        records = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        with torch.no_grad() if records else contextlib.nullcontext():  # no history, as on every other path
+            result = _launch_epilogue(x2d, weight, bias, activation, out2d)
+        return out if out is not None else result.view(out_shape)
     if out is None:
         out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
-    elif tuple(out.shape) != out_shape or out.dtype != x.dtype or out.device != x.device:
-        raise ValueError(
-            f"out must be {out_shape} {x.dtype} on {x.device}, got {tuple(out.shape)} {out.dtype} on {out.device}"
-        )
-    try:
         out2d = out.view(x2d.shape[0], N)
-    except RuntimeError:
-        raise ValueError(f"out's leading dims must flatten to rows without a copy (strides {out.stride()})") from None
-    if backend == "cublaslt":
-        reason = _epilogue_applies(x2d, weight, bias, activation, out2d)
-        if reason is not None:
-            raise ValueError(f"backend='cublaslt' cannot run this call: {reason}")
     run("linear_act", _linear_act_op, x2d, weight, bias, activation, backend, out2d, _fp32_matmul_precision())
     return out

@@ -24,13 +24,17 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from fusionscope.kernels.dispatch import cdiv, launchable, new_output, pow2, run
+from fusionscope.kernels.dispatch import Tunables, cdiv, launchable, new_output, pow2, run
 from torch.library import triton_op
 from triton.runtime.interpreter import InterpretedFunction
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 MAX_BLOCK = 16384  # widest row reduced in one block (elements); wider rows loop over CHUNK-wide pieces
 CHUNK = 8192
+# Rows from `evict_last_from` wide up to MAX_BLOCK (read once) load x with the evict_last cache hint. On an H200
+# (bf16, tune_norms.py, 2026-11-29) at 32768×8192 it took 250 µs against 259 without the hint (torch.compile: 250); at
+# 4096×8192 it made no difference (33.6 against 33.4 µs). Only width 8192 was measured with it.
+LOAD_HINTS = Tunables(evict_last_from=8192)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
@@ -104,6 +108,7 @@ def _rms_norm_kernel(
     ONE_BLOCK: tl.constexpr,  # the whole row fits one block: x is read once
     HAS_OFFSET: tl.constexpr,
     SOFT_BF16: tl.constexpr,  # round to bf16 in software (the interpreter's cast truncates)
+    EVICT_X: tl.constexpr = "",  # cache hint for the loads of x ("", "evict_first", "evict_last"): tune_norms.py
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < M
@@ -116,9 +121,9 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     if ONE_BLOCK:
         mask = row_mask[:, None] & (cols < N)[None, :]
-        x = tl.load(x_row + cols[None, :] * sxn, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols * swn, mask=cols < N, other=0.0).to(tl.float32)  # issued before the reduction
+        x = tl.load(x_row + cols[None, :] * sxn, mask=mask, other=0.0, eviction_policy=EVICT_X).to(tl.float32)
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
-        w = tl.load(w_ptr + cols * swn, mask=cols < N, other=0.0).to(tl.float32)
         y = _scale(x * rstd[:, None], w[None, :], offset, x_ptr.dtype.element_ty, HAS_OFFSET, SOFT_BF16)
         tl.store(o_row + cols[None, :] * son, _to_dtype(y, out_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
     else:
@@ -183,6 +188,11 @@ def launch_config(M: int, N: int) -> dict[str, int | bool]:
     return {"ROWS": rows, "BLOCK": block, "ONE_BLOCK": N <= MAX_BLOCK, "num_warps": warps}
 
 
+def load_hints(N: int) -> dict[str, str]:
+    """rms_norm's cache hint for the loads of x at row width N (`LOAD_HINTS`)."""
+    return {"EVICT_X": "evict_last" if LOAD_HINTS["evict_last_from"] <= N <= MAX_BLOCK else ""}
+
+
 def check_norm_args(x: torch.Tensor, weight: torch.Tensor, what: str = "x") -> None:
     """Shared argument checks: float dtypes, weight (N,) on x's device."""
     if x.dim() < 1:
@@ -214,7 +224,7 @@ def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: 
     if M == 0:
         return
     (_, M1, M2), (sx, so) = row_layout(tuple(x.shape[:-1]), x.stride()[:-1], out.stride()[:-1])
-    cfg = launch_config(M, N)
+    cfg = {**load_hints(N), **launch_config(M, N)}
     grid = (cdiv(M, cfg["ROWS"]),)
     launchable(_rms_norm_kernel)[grid](
         x, weight, out, M, M1, M2, N, *sx, x.stride(-1), *so, out.stride(-1), weight.stride(0), eps, offset,

@@ -4,6 +4,9 @@ For each kernel, on one decode and one prefill shape of its bench cases (bf16):
 - launches per call: kernels the profiler sees for one eager call (expected: 1; `sample`: its seed draw plus one
   launch for top_k = 1, two for the candidates path);
 - no hidden copy: no memcpy and no copy/cast kernel besides ours for contiguous inputs;
+- no memset of ours: device memsets (a driver operation, not a kernel launch) are allowed only where cuBLAS issues
+  them for its own workspace, i.e. no more of them than the case's unfused eager call (whose GEMM is cuBLAS's too)
+  issues in the same run (`reports/bench/tune_linear_act.py` lists which GEMM forms issue one at which shapes);
 - `fusionscope::<op>` appears in the graph torch.compile(fullgraph=True) traces, and the compiled call equals eager;
 - CUDA-graph replay equals eager;
 - a second eager call with fresh inputs of the same metadata replays the recorded launches (see
@@ -35,13 +38,14 @@ REPLAYED = {"rms_norm", "add_rms_norm", "silu_and_mul", "gelu_and_mul", "rope", 
             "bias_gelu"}  # fmt: skip
 
 
-def launches(fn) -> tuple[int, list[str]]:
+def device_work(fn) -> tuple[list[str], list[str]]:
+    """What one call puts on the GPU, as the profiler names it: (kernels and memcpys, memsets)."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return len(names), names
+    return [n for n in names if not n.startswith("Memset")], [n for n in names if n.startswith("Memset")]
 
 
 def compiled_ops(fn) -> tuple[set[str], object]:
@@ -123,10 +127,14 @@ def main(path: str) -> int:
             eager = fn()
             row = {"kernel": name, "case": case.label + form}
             try:
-                row["launches"], row["kernel_names"] = launches(fn)
+                row["kernel_names"], memsets = device_work(fn)
+                row["launches"], row["memsets"] = len(row["kernel_names"]), len(memsets)
                 copies = [k for k in row["kernel_names"] if "copy" in k.lower() or "Memcpy" in k]
                 row["hidden_copies"] = len(copies)
-                row["launch_ok"] = row["launches"] <= max_launches and not copies
+                if memsets:  # only cuBLAS's own: the unfused call's GEMM issues as many
+                    row["eager_memsets"] = len(device_work(lambda c=case, i=inputs: c.variants["eager"](i))[1])
+                row["memsets_ok"] = row["memsets"] <= row.get("eager_memsets", 0)
+                row["launch_ok"] = row["launches"] <= max_launches and not copies and row["memsets_ok"]
                 op = OP_NAMES.get(name, name)
                 ops, compiled_out = compiled_ops(fn)
                 row["compiled_graph_ops"] = sorted(o for o in ops if "fusionscope" in o)

@@ -5,8 +5,9 @@
 #        per call, no hidden copy, fusionscope::<op> in a torch.compile(fullgraph=True) graph, CUDA-graph replay equal
 #        to eager; TESTS="tests/kernels/test_x.py ..." narrows the suite). bench: `fusionscope bench` over the full
 #        shape sweep. tune: where the host time of a call goes
-#        (host_cost.py) and launch-parameter sweeps for the norms and rope (tune_norms.py, tune_rope.py); host: only
-#        host_cost.py.
+#        (host_cost.py), launch-parameter sweeps for the norms and rope (tune_norms.py, tune_rope.py), and linear_act's
+#        Triton tiles and cuBLAS's launches per GEMM form (tune_linear_act.py, then its probe again without cuBLASLt's
+#        workspace); SCRIPTS="host_cost tune_norms ..." narrows the list. host: only host_cost.py.
 #        Results land in OUT.
 set -uo pipefail
 out=${1:?usage: gpu_kernels.sh OUT_DIR [check|bench|tune|host|all]}
@@ -27,13 +28,18 @@ if [ "$what" = check ] || [ "$what" = all ]; then
   rc=$?
   echo "check rc=$rc"; [ $rc = 0 ] || status=1
 fi
-if [ "$what" = host ]; then scripts="host_cost"; else scripts="host_cost tune_norms tune_rope"; fi
+if [ "$what" = host ]; then scripts="host_cost"; else scripts=${SCRIPTS:-host_cost tune_norms tune_rope tune_linear_act}; fi
 if [ "$what" = tune ] || [ "$what" = host ] || [ "$what" = all ]; then
   for script in $scripts; do
     echo "== $script $(date -u +%T)"
     python3 "reports/bench/$script.py" "$out/$script.json"
     rc=$?
     echo "$script rc=$rc"; [ $rc = 0 ] || status=1
+    if [ "$script" = tune_linear_act ]; then
+      CUBLASLT_WORKSPACE_SIZE=0 python3 reports/bench/tune_linear_act.py "$out/tune_linear_act_no_workspace.json" --probe-only
+      rc=$?
+      echo "$script without workspace rc=$rc"; [ $rc = 0 ] || status=1
+    fi
   done
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then

@@ -4,8 +4,8 @@ A launcher is replayed only if it does nothing but compute launch parameters fro
 a torch op inside it (a view, an allocation) silently costs every decode call its launcher again. Here the kernels
 are replaced by stand-ins that log what would launch, CPU tensors pass for GPU ones, and each public function is called
 twice with fresh inputs of the same metadata: the second call must replay the first call's launches — same grids,
-same non-tensor arguments — on the second call's tensors. (`reports/bench/check_kernels.py` checks the real launches
-on the GPU.)
+same non-tensor arguments — on the second call's tensors, passed as data pointers at the same offsets into them.
+(`reports/bench/check_kernels.py` checks the real launches on the GPU.)
 """
 
 from __future__ import annotations
@@ -54,12 +54,12 @@ class _Kernel:
         return launch
 
 
-def _storages(values: object) -> set[int]:
+def _tensors(values: object) -> list[torch.Tensor]:
     if isinstance(values, torch.Tensor):
-        return {values.untyped_storage().data_ptr()}
+        return [values]
     if isinstance(values, dict):
         values = list(values.values())
-    return set().union(*(_storages(v) for v in values)) if isinstance(values, list | tuple) else set()
+    return [t for v in values for t in _tensors(v)] if isinstance(values, list | tuple) else []
 
 
 def _r(*shape: int) -> torch.Tensor:
@@ -164,12 +164,20 @@ def test_a_repeated_call_replays_its_launches_on_its_own_tensors(name: str, stan
     plans = list(dispatch._PLANS.values())
     assert len(plans) == 1 and (plans[0] is not None) == replayed
     assert [grid for grid, _ in stand_ins] == [grid for grid, _ in first] and first
-    theirs, ours = _storages([first_inputs, first_out]), _storages([second_inputs, second_out])
+    # each storage of the first call's inputs and outputs -> the storage in the same place in the second call's
+    mine = {
+        a.untyped_storage().data_ptr(): b.untyped_storage().data_ptr()
+        for a, b in zip(_tensors([first_inputs, first_out]), _tensors([second_inputs, second_out]), strict=True)
+    }
     for (_, before), (_, now) in zip(first, stand_ins, strict=True):
         assert len(before) == len(now)
         for a, b in zip(before, now, strict=True):
-            if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in theirs:
-                assert isinstance(b, torch.Tensor) and b.untyped_storage().data_ptr() in ours  # this call's tensor
-                assert (b.shape, b.stride(), b.dtype) == (a.shape, a.stride(), a.dtype)
+            if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in mine:
+                start = mine[a.untyped_storage().data_ptr()]
+                if replayed:  # this call's tensor, passed to the compiled launcher as its data pointer
+                    assert type(b) is int and b - start == a.data_ptr() - a.untyped_storage().data_ptr()
+                else:  # the launcher ran again: Triton got this call's tensor
+                    assert isinstance(b, torch.Tensor) and b.untyped_storage().data_ptr() == start
+                    assert (b.shape, b.stride(), b.dtype) == (a.shape, a.stride(), a.dtype)
             elif not isinstance(a, torch.Tensor):
                 assert a == b or (a != a and b != b), (a, b)  # the same constants (NaN allowed)
