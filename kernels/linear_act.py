@@ -209,9 +209,13 @@ def fit_shared_memory(tiles: dict[str, int], element_size: int, limit: int) -> d
 
 
 @functools.cache
-def _shared_memory_limit(device: int) -> int:
-    """Bytes of shared memory a program may use on this GPU, as Triton checks it."""
-    return triton.runtime.driver.active.utils.get_device_properties(device)["max_shared_mem"]
+def _shared_memory_limit(device: int) -> int | None:
+    """Bytes of shared memory a program may use on this GPU, as Triton checks it (the query Triton's compiler makes);
+    None where this Triton has no such query, and the tiles go unfitted."""
+    try:
+        return triton.runtime.driver.active.utils.get_device_properties(device)["max_shared_mem"]
+    except (AttributeError, KeyError):
+        return None
 
 
 def _epilogue_applies(
@@ -244,8 +248,9 @@ def _launch_triton(
     tiles = triton_tiles(M)
     if x2d.element_size() == 4:  # fp32: twice the bytes per element (the large tile would overflow shared memory)
         tiles = {**tiles, "BLOCK_K": tiles["BLOCK_K"] // 2}
-    if x2d.is_cuda:  # the interpreter has no shared memory to fit
-        tiles = fit_shared_memory(tiles, x2d.element_size(), _shared_memory_limit(x2d.device.index))
+    limit = _shared_memory_limit(x2d.device.index) if x2d.is_cuda else None  # the interpreter has none to fit
+    if limit is not None:
+        tiles = fit_shared_memory(tiles, x2d.element_size(), limit)
     # fp32 operands: full precision unless torch allows TF32 for matmuls, as F.linear would use it.
     full_fp32 = x2d.dtype == torch.float32 and fp32_precision == "highest"
     precision = "ieee" if full_fp32 else "tf32"
