@@ -13,9 +13,13 @@ evict_last hint: there "as shipped" and the warps rows ran without a hint, and `
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import torch
 import triton
@@ -34,6 +38,22 @@ def gpu_us(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3
+
+
+@contextlib.contextmanager
+def patched(module: ModuleType, **values: Any) -> Iterator[None]:
+    """`module`'s attributes set to `values` while the block runs; recorded launch plans are forgotten on the way in
+    and out (a replay would keep the launch settings it recorded)."""
+    saved = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    forget_plans()
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+        forget_plans()
 
 
 def write_rows(path: Path, rows: list[dict]) -> None:
@@ -62,6 +82,7 @@ def main(path: Path) -> None:
         for case, module in ((rms_norm_case(M, N), rms_mod), (add_rms_norm_case(M, N), add_mod)):
             inputs = case.build(torch.device(DEVICE), torch.bfloat16)
             for change in (*PEERS, None, *overrides(case.kernel, N)):
+                patch = {}
                 if change in PEERS:
                     if change not in case.variants:
                         continue
@@ -70,15 +91,10 @@ def main(path: Path) -> None:
                     hints = rms_mod.load_hints(N) if module is rms_mod else {}
                     label = f"fusionscope {change}" if change else f"fusionscope as shipped {hints | shipped(M, N)}"
                     fn = case.variants["fusionscope"]
-                    module.launch_config = (
-                        shipped if change is None else (lambda m, n, c=change: {**shipped(m, n), **c})
-                    )
-                forget_plans()  # recorded launches would keep the shipped configuration
-                try:
+                    if change:
+                        patch["launch_config"] = lambda m, n, c=change: {**shipped(m, n), **c}
+                with patched(module, **patch):
                     us = gpu_us(lambda fn=fn, i=inputs: fn(i))
-                finally:
-                    module.launch_config = shipped
-                    forget_plans()
                 rows.append({"kernel": case.kernel, "shape": case.label, "variant": label, "gpu_us": us})
                 print(f"{case.kernel:13s} {case.label:11s} {label:60s} {us:8.2f} µs", flush=True)
             del inputs

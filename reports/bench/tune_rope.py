@@ -13,8 +13,7 @@ import sys
 from pathlib import Path
 
 import torch
-from fusionscope.kernels.dispatch import forget_plans
-from tune_norms import gpu_us, write_rows  # this folder is on sys.path when run as a script
+from tune_norms import gpu_us, patched, write_rows  # this folder is on sys.path when run as a script
 
 from fusionscope.bench.cases import ROPE_HEADS, kernel_module, rope_case
 
@@ -28,7 +27,7 @@ DEVICE = "cuda"
 def main(path: Path) -> None:
     torch._dynamo.config.recompile_limit = 64
     mod = kernel_module("rope")
-    blocks, num_warps = mod._blocks, mod._num_warps
+    blocks = mod._blocks
     rows = []
     for batch, seq in SHAPES:
         case = rope_case(batch, seq, *ROPE_HEADS)
@@ -36,15 +35,12 @@ def main(path: Path) -> None:
         configs = [(p, None, None) for p in PEERS if p in case.variants]
         configs += [("fusionscope", None, None)] + [("fusionscope", h, w) for h in BLOCK_H for w in WARPS]
         for variant, block_h, warps in configs:
+            patch = {}
             if block_h is not None:
-                mod._blocks = lambda *a, h=block_h: {**blocks(*a), "BLOCK_H": h}
-                mod._num_warps = lambda *a, w=warps: w
-            forget_plans()  # recorded launches would keep the shipped tiles
-            try:
+                patch["_blocks"] = lambda *a, h=block_h: {**blocks(*a), "BLOCK_H": h}
+                patch["_num_warps"] = lambda *a, w=warps: w
+            with patched(mod, **patch):
                 us = gpu_us(lambda v=variant, i=inputs, c=case: c.variants[v](i))
-            finally:
-                mod._blocks, mod._num_warps = blocks, num_warps
-                forget_plans()
             label = variant if block_h is None else f"{variant} BLOCK_H={block_h} warps={warps}"
             rows.append({"shape": case.label, "variant": label, "gpu_us": us, "traffic": case.traffic(inputs)})
             print(f"{case.label:22s} {label:40s} {us:8.2f} µs", flush=True)
