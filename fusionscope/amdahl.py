@@ -17,9 +17,18 @@ while saving ops — and the host work each one costs — does. So every estimat
   the queue filling at its start, syncs). It is held constant: a fusion does not remove it, a CUDA graph largely
   does.
 - A fused kernel removes its group's ops from the host's work and adds one launch (`roofs.launch_us`, an empty
-  Triton launch), and replaces the group's kernel time by the fused kernel's.
+  Triton launch), and replaces the group's kernel time by the fused kernel's (`fused`: the step model after them).
+- A CUDA graph replays the step for one launch: what it can remove is the step's wall time beyond its GPU time
+  (`cuda_graph_share`). After the fusions only the fused step's host time is left to remove, so the plan
+  (`opportunities.summarize_opportunities`) gives the share on the fused step — on llama-3.1-8b decode (H200,
+  reports/samples/catalogue/) 73% of the fused step, 38% of the unfused one, not the 80% a graph alone would
+  remove from the unfused step on top of the fusions' 48%.
 
-The regime named with the estimates is the model's: host-bound when `T_host ≥ T_gpu`.
+Two names for two things. The phase's `regime` (summary.json `phases`, `host-bound` / `gpu-bound`) is measured:
+host-bound when the GPU is busy under half of the unprofiled step; it only picks the host cost per op above. What
+paces a step in this model, and so what every estimate assumes, is `StepModel.paced_by`: `host` when
+`T_host ≥ T_gpu`, else `gpu` (summary.json `cumulative[phase].paced_by`). They differ where the host's work fills
+the step while the GPU is busy most of it: llama-3.1-8b prefill, measured gpu-bound (68% busy), paced by the host.
 """
 
 from __future__ import annotations
@@ -38,13 +47,23 @@ class StepModel:
     launch_us: float
 
     @property
-    def regime(self) -> str:
-        return "host-bound" if self.host_us >= self.gpu_us else "gpu-bound"
+    def paced_by(self) -> str:
+        """`host` or `gpu`: the term that sets the step time (not the phase's measured `regime`)."""
+        return "host" if self.host_us >= self.gpu_us else "gpu"
 
     @property
     def exposed_us(self) -> float:
         """Wall time neither the host term nor the GPU term explains (GPU idle in a GPU-bound step)."""
         return max(self.wall_us - max(self.host_us, self.gpu_us), 0.0)
+
+    @property
+    def step_us(self) -> float:
+        """The modelled step time: `max(T_host, T_gpu) + T_exposed`."""
+        return max(self.host_us, self.gpu_us) + self.exposed_us
+
+    def figures(self) -> dict[str, float]:
+        """The model's terms for summary.json (µs per step)."""
+        return {"wall_us": self.step_us, "host_us": self.host_us, "gpu_us": self.gpu_us, "exposed_us": self.exposed_us}
 
 
 def step_model(phase: dict, roofs: dict) -> StepModel | None:
@@ -68,21 +87,27 @@ class Speedup:
     saved_host_us: float
 
 
-def speedup(model: StepModel, saved_gpu_us: float, saved_ops: float, added_launches: float) -> Speedup:
-    """End-to-end speedup of one step when kernels worth `saved_gpu_us` are replaced and `saved_ops` host ops are
-    removed in exchange for `added_launches` fused-kernel launches."""
+def fused(model: StepModel, saved_gpu_us: float, saved_ops: float, added_launches: float) -> StepModel:
+    """The step after kernels worth `saved_gpu_us` are replaced and `saved_ops` host ops are removed in exchange for
+    `added_launches` fused-kernel launches; its exposed time is the unfused step's (a fusion does not remove it)."""
     saved_host = saved_ops * model.host_us_per_op - added_launches * model.launch_us
     gpu_new = max(model.gpu_us - saved_gpu_us, 1e-9)
     host_new = max(model.host_us - saved_host, 1e-9)
-    before = max(model.host_us, model.gpu_us) + model.exposed_us
-    after = max(host_new, gpu_new) + model.exposed_us
-    return Speedup(gpu=model.gpu_us / gpu_new, wall=before / after, saved_gpu_us=saved_gpu_us,
-                   saved_host_us=saved_host)  # fmt: skip
+    return StepModel(wall_us=max(host_new, gpu_new) + model.exposed_us, gpu_us=gpu_new, host_us=host_new,
+                     host_us_per_op=model.host_us_per_op, launch_us=model.launch_us)  # fmt: skip
+
+
+def speedup(model: StepModel, saved_gpu_us: float, saved_ops: float, added_launches: float) -> Speedup:
+    """End-to-end speedup of one step when kernels worth `saved_gpu_us` are replaced and `saved_ops` host ops are
+    removed in exchange for `added_launches` fused-kernel launches."""
+    after = fused(model, saved_gpu_us, saved_ops, added_launches)
+    return Speedup(gpu=model.gpu_us / after.gpu_us, wall=model.step_us / after.step_us, saved_gpu_us=saved_gpu_us,
+                   saved_host_us=saved_ops * model.host_us_per_op - added_launches * model.launch_us)  # fmt: skip
 
 
 def cuda_graph_share(model: StepModel) -> float:
-    """Share of the step's wall time that capturing it in a CUDA graph would remove: host time not hidden behind
+    """Share of `model`'s step time that capturing it in a CUDA graph would remove: host time not hidden behind
     GPU work and GPU idle time (a replayed graph costs the host one launch, so the step falls to about its GPU
-    time)."""
-    before = max(model.host_us, model.gpu_us) + model.exposed_us
+    time). Pass the fused step (`fused`) for what a graph adds to the fusions: the share is of that step."""
+    before = model.step_us
     return max(0.0, (before - model.gpu_us) / before) if before else 0.0

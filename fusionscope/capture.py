@@ -10,6 +10,7 @@ Modules are attributed by qualified name through forward hooks that open `record
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import inspect
 import shutil
@@ -59,8 +60,14 @@ def _forward_kwargs(module: torch.nn.Module) -> dict[str, str]:
     }
 
 
-def run_sequence(workload: Workload, run_step: StepRunner) -> None:
-    """One pass over the workload's phases, each step executed through `run_step(phase, fn)`."""
+def run_sequence(workload: Workload, run_step: StepRunner, sampler: Any = None) -> None:
+    """One pass over the workload's phases, each step executed through `run_step(phase, fn)`.
+
+    Each next token is picked by `sampler` (a `fusionscope.apply.sampler.Sampler`; by default one built from the
+    workload's sampling settings: argmax, or `generate(do_sample=True)`'s warpers + multinomial). It is reset here, once
+    per pass, so that the timed, the profiled and the dataflow passes draw the same tokens."""
+    from fusionscope.apply.sampler import Sampler
+
     model = workload.module
     with torch.inference_mode():
         if workload.phases == ("forward",):
@@ -72,31 +79,11 @@ def run_sequence(workload: Workload, run_step: StepRunner) -> None:
         names = _forward_kwargs(model)
         (ids,) = workload.inputs
         extra = {names["logits_to_keep"]: 1} if names["logits_to_keep"] else {}
-        if workload.sampling:
-            # `generate(do_sample=True)`'s pick: the last position's logits copied to fp32, the temperature → top-k →
-            # top-p warpers, softmax, multinomial. Seeded here, once per pass, so the timed, the profiled and the
-            # dataflow passes draw the same tokens. Ids come out (batch, 1), as from argmax.
-            from transformers.generation.logits_process import (
-                LogitsProcessorList,
-                TemperatureLogitsWarper,
-                TopKLogitsWarper,
-                TopPLogitsWarper,
-            )
+        picker = sampler if sampler is not None else Sampler(workload.sampling, workload.device)
+        picker.reset()
 
-            temperature, top_k, top_p = workload.sampling
-            warpers = LogitsProcessorList(
-                [TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k), TopPLogitsWarper(top_p)]
-            )
-            generator = torch.Generator(device=workload.device).manual_seed(0)
-
-            def pick(logits: torch.Tensor) -> torch.Tensor:
-                scores = warpers(ids, logits[:, -1, :].to(copy=True, dtype=torch.float32))
-                return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1, generator=generator)
-
-        else:
-
-            def pick(logits: torch.Tensor) -> torch.Tensor:
-                return logits[:, -1:].argmax(-1)
+        def pick(logits: torch.Tensor) -> torch.Tensor:
+            return picker(ids, logits)
 
         def prefill() -> tuple[Any, torch.Tensor]:
             out = model(ids, use_cache=True, **extra)
@@ -170,19 +157,38 @@ def capture(
         run_sequence(workload, plain)
         _sync(device)
 
-    unprofiled: dict[str, list[float]] = {}
+    note("timing without the profiler")
+    unprofiled = timed_pass(workload)
+
+    note("profiling")
+    trace_path, steps = profiled_pass(workload, out_dir)
+    return Capture(trace_path=trace_path, phases=workload.phases, unprofiled_ms=unprofiled, profiled_steps=steps)
+
+
+def timed_pass(workload: Workload, sampler: Any = None) -> dict[str, list[float]]:
+    """One pass without the profiler; each step's wall time in ms (device synced before and after), per phase."""
+    device = workload.device
+    times: dict[str, list[float]] = {}
 
     def timed(phase: str, fn: Callable[[], Any]) -> Any:
         _sync(device)
         t0 = time.perf_counter()
         result = fn()
         _sync(device)
-        unprofiled.setdefault(phase, []).append((time.perf_counter() - t0) * 1e3)
+        times.setdefault(phase, []).append((time.perf_counter() - t0) * 1e3)
         return result
 
-    note("timing without the profiler")
-    run_sequence(workload, timed)
+    run_sequence(workload, timed, sampler)
+    return times
 
+
+def profiled_pass(workload: Workload, out_dir: Path, sampler: Any = None, on_stage: Callable[[str], None] | None = None,
+                  name: str = "trace", detail: bool = True) -> tuple[Path, int]:  # fmt: skip
+    """One pass under torch.profiler, each step in `ProfilerStep#N` and phase ranges; writes `out_dir/<name>.json.gz`
+    and returns its path and the number of steps recorded. `detail=False` records neither shapes nor module ranges:
+    enough for GPU time and kernel counts per step, and 2–3× faster to export on an 8B decode pass."""
+    device = workload.device
+    note = on_stage or (lambda _msg: None)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     steps = 0
 
@@ -194,20 +200,20 @@ def capture(
         steps += 1
         return result
 
-    note("profiling")
     # Without a schedule the whole pass is one cycle, so torch's "clears events at the end of each cycle" warning does
     # not apply. (acc_events=True would silence it too, but made stopping the 8B profile 20 s slower on the H200.)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
-        with profile(activities=activities, record_shapes=True) as prof, module_ranges(workload.module):
-            run_sequence(workload, profiled)
+        ranges = module_ranges(workload.module) if detail else contextlib.nullcontext()
+        with profile(activities=activities, record_shapes=detail) as prof, ranges:
+            run_sequence(workload, profiled, sampler)
     note("exporting the trace")
-    raw = out_dir / "trace.json"
+    raw = out_dir / f"{name}.json"
     prof.export_chrome_trace(str(raw))
-    trace_path = out_dir / "trace.json.gz"
+    trace_path = out_dir / f"{name}.json.gz"
     write_rank_trace(raw, trace_path, rank=0)
     raw.unlink()
-    return Capture(trace_path=trace_path, phases=workload.phases, unprofiled_ms=unprofiled, profiled_steps=steps)
+    return trace_path, steps
 
 
 def write_rank_trace(src: Path, dst: Path, rank: int) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.status import Status
 from rich.table import Table
 
@@ -27,8 +27,26 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Find what to fuse in a PyTorch model, estimate what it is worth, and prove it on the GPU.",
 )
+PIPED_WIDTH = 1000  # columns for stdout when it is not a terminal: wider than any table printed here
+
+
+class StdoutConsole(Console):
+    """stdout. At a terminal, tables fit its width. Piped into a file or a CI log rich would cut them to 80 columns
+    (`fusi…`, `laun…`); there they are printed at their own width, so a saved table keeps its names and numbers
+    whole (tables do not expand, and plain lines are not padded)."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        size = super().size
+        return size if self.is_terminal else ConsoleDimensions(max(size.width, PIPED_WIDTH), size.height)
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        Console.size.fset(self, new_size)
+
+
 console = Console(stderr=True)
-out = Console()
+out = StdoutConsole()
 
 
 @contextmanager
@@ -237,18 +255,39 @@ def print_bench(rows: pd.DataFrame) -> None:
 
 
 def print_summary(summary: dict) -> None:
-    """The per-phase table printed at the end of a run."""
+    """The per-phase table printed at the end of a run, the fusion opportunities and each phase's cumulative plan."""
+    from fusionscope.report.regime import paced_by
+
     model, device = summary.get("model", {}), summary.get("device", {})
+    plans = summary.get("cumulative") or {}
     table = Table(title=f"{model.get('name')} on {device.get('name')} ({model.get('dtype')})")
-    for col in ("phase", "ms/step", "unprof.", "GPU busy", "kernels", "µs/kern", "regime", "top kernel (share)"):
+    text_columns = ("phase", "regime (measured)", "paced by (model)", "top kernel (share)")
+    for col in ("phase", "ms/step", "unprof.", "GPU busy", "kernels", "µs/kern", *text_columns[1:]):
         table.add_column(
             col,
-            justify="left" if col in ("phase", "regime", "top kernel (share)") else "right",
+            justify="left" if col in text_columns else "right",
             overflow="fold" if col == "top kernel (share)" else "ellipsis",
         )
 
     def fmt(value: float | None, spec: str = ".2f") -> str:
         return "—" if value is None else format(value, spec)
+
+    def kernel_name(name: object) -> str:
+        text = str(name or "")
+        return text[:39] + "…" if out.is_terminal and len(text) > 40 else text  # whole in a saved table
+
+    def cumulative_line(phase: str, plan: dict, pacer: str | None) -> str:
+        """One phase's plan in a line: all accepted fusions together, then what a CUDA graph would remove of the fused
+        step, and what paces the step in the step model."""
+        last = plan["waterfall"][-1]
+        line = f"{phase}: all accepted fusions {last['speedup_wall']:.3f}× wall"
+        if last.get("speedup_gpu") is not None:
+            line += f", {last['speedup_gpu']:.3f}× GPU"
+        if plan.get("cuda_graph_share") is not None and "cuda_graph_share_unfused" in plan:
+            line += f"; then a CUDA graph would remove {plan['cuda_graph_share']:.0%} of the fused step"
+        if pacer is not None:
+            return line + f" (paced by the {'host' if pacer == 'host' else 'GPU'} in the step model)"
+        return line + " (CPU run: the ops are the timeline)" if last.get("speedup_gpu") is None else line
 
     for name, ph in summary.get("phases", {}).items():
         top = ph.get("top_kernels") or [{}]
@@ -262,12 +301,15 @@ def print_summary(summary: dict) -> None:
             fmt(ph.get("kernels_per_step"), ".0f"),
             fmt(ph.get("host_us_per_kernel"), ".1f"),
             ph.get("regime") or "cpu",
-            f"{str(top[0].get('name', ''))[:32]} ({top[0].get('share', 0):.0%})" if top[0] else "",
+            paced_by(plans.get(name)) or "—",
+            f"{kernel_name(top[0].get('name'))} ({top[0].get('share', 0):.0%})" if top[0] else "",
         )
     out.print(table)
     out.print(
         "ms/step: profiled wall time per step (median); unprof.: the same without the profiler; GPU busy: "
-        "kernel time with overlaps counted once",
+        "kernel time with overlaps counted once; regime (measured): host-bound when the GPU is busy under half of "
+        "the unprofiled step; paced by (model): host when the step model's host work ≥ its GPU work — what the "
+        "estimates use",
         style="dim",
     )
     if summary.get("opportunities"):
@@ -286,9 +328,142 @@ def print_summary(summary: dict) -> None:
                 fmt(opp["speedup_gpu"], ".3f"), fmt(opp["speedup_wall"], ".3f"), opp["confidence"],
             )  # fmt: skip
         out.print(opp_table)
+    for phase, plan in plans.items():
+        if plan.get("waterfall"):
+            out.print(cumulative_line(phase, plan, paced_by(plan)))
     coverage = summary.get("cost_coverage")
     if coverage is not None:
         out.print(f"cost coverage: {coverage:.1%} of kernel time has a bytes/FLOPs model")
+
+
+@app.command()
+def apply(
+    model: Annotated[
+        str, typer.Argument(help="preset name, Hugging Face folder, or path/to/file.py:factory")
+    ] = "tiny-llama",
+    fusions: Annotated[str, typer.Option(help="fusions to apply: a,b or all (every fusion found)")] = "all",
+    from_run: Annotated[
+        Path | None, typer.Option("--from", help="take the predictions of this earlier run folder instead")
+    ] = None,
+    repeats: Annotated[int, typer.Option(help="interleaved timing rounds per variant (medians)")] = 3,
+    out_dir: Annotated[Path | None, typer.Option("--out", help="run folder to create (must not exist)")] = None,
+    batch: Annotated[int, typer.Option(help="sequences per step")] = 1,
+    prompt_len: Annotated[int, typer.Option(help="prompt tokens (prefill length)")] = 128,
+    decode_steps: Annotated[int, typer.Option(help="decode steps (one new token each)")] = 16,
+    dtype: Annotated[str, typer.Option(help="auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32")] = "auto",
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda")] = "auto",
+    warmup: Annotated[int, typer.Option(help="unrecorded passes over the exact timed lengths")] = 1,
+    remeasure: Annotated[
+        bool, typer.Option(help="measure the device's roofs again instead of using the cache")
+    ] = False,
+    sample: Annotated[
+        bool, typer.Option("--sample/--greedy", help="pick tokens as generate(do_sample=True) does, or by argmax")
+    ] = False,
+    temperature: Annotated[float, typer.Option(help="--sample: logits divided by this")] = 0.7,
+    top_k: Annotated[int, typer.Option(help="--sample: keep the k most likely tokens")] = 50,
+    top_p: Annotated[float, typer.Option(help="--sample: keep the smallest set holding this probability")] = 0.9,
+) -> None:
+    """Patch the fusions found into MODEL, check the numerics, measure before and after, predicted vs measured."""
+    from fusionscope.apply.run import apply as run_apply
+
+    t0 = time.perf_counter()
+    with usage_errors(), console.status("applying…") as status:
+        progress = StageLog(status)
+        run = run_apply(
+            model,
+            fusions=fusions,
+            from_run=from_run,
+            repeats=repeats,
+            out=out_dir,
+            batch=batch,
+            prompt_len=prompt_len,
+            decode_steps=decode_steps,
+            dtype=dtype,
+            device=device,
+            warmup=warmup,
+            remeasure=remeasure,
+            sample=sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            on_stage=progress.start,
+        )
+        progress.start(None)
+    print_summary(run.summary)
+    print_apply(run.summary["apply"])
+    out.print(f"report: {run.report_path}   ({time.perf_counter() - t0:.1f} s in all)")
+
+
+def print_apply(result: dict) -> None:
+    """The apply tables: per fusion where it was patched and its numerics; per variant measured vs predicted."""
+
+    def fmt(value: object, spec: str) -> str:
+        return "—" if value is None or value != value else format(value, spec)
+
+    def pct(value: float | None) -> str:
+        return "—" if value is None else f"{value * 100:+.0f}%"
+
+    table = Table(title="fusions applied (numerics against the unpatched model on the same inputs)")
+    for col in ("fusion", "sites", "status", "max |Δ|", "KL", "top-1", "top-5", "1st diff", "reason"):
+        table.add_column(col, justify="left" if col in ("fusion", "status", "reason") else "right",
+                         overflow="fold" if col == "reason" else "ellipsis")  # fmt: skip
+    eager = result.get("eager_vs_fp32") or {}
+    table.add_row("(eager vs fp32)", "", "", fmt(eager.get("max_abs"), ".3g"), fmt(eager.get("kl_mean"), ".2g"),
+                  fmt(eager.get("top1"), ".3f"), fmt(eager.get("top5"), ".3f"),
+                  fmt(eager.get("first_divergence"), "d"), "the unpatched model's own distance from fp32")  # fmt: skip
+    for row in result.get("fusions", []):
+        fig = row.get("numerics") or {}
+        table.add_row(row["fusion"], f"{row['sites_patched']}/{row['sites_found']}", row["status"],
+                      fmt(fig.get("max_abs"), ".3g"), fmt(fig.get("kl_mean"), ".2g"), fmt(fig.get("top1"), ".3f"),
+                      fmt(fig.get("top5"), ".3f"), fmt(fig.get("first_divergence"), "d"),
+                      row.get("reason") or row.get("skipped") or "")  # fmt: skip
+    together = result.get("together_numerics") or {}
+    if together:
+        fig = together.get("numerics") or {}
+        table.add_row("all passing", str(len(together.get("fusions", []))),
+                      "passed" if together.get("passed") else "failed", fmt(fig.get("max_abs"), ".3g"),
+                      fmt(fig.get("kl_mean"), ".2g"), fmt(fig.get("top1"), ".3f"), fmt(fig.get("top5"), ".3f"),
+                      fmt(fig.get("first_divergence"), "d"), together.get("reason") or "")  # fmt: skip
+    out.print(table)
+    tolerances = result.get("tolerances") or []
+    if tolerances:
+        tol = Table(title="numerics tolerances (what the judge applied, per dtype)")
+        keys = list(tolerances[0])
+        for key in keys:
+            tol.add_column(key, justify="left" if key == "dtype" else "right")
+        for row in tolerances:
+            tol.add_row(*(str(row.get(k)) for k in keys))
+        out.print(tol)
+    timing = result.get("timing")
+    if not timing:
+        out.print(f"timing {result.get('timing_note') or 'not measured'}", style="dim")
+        return
+    table = Table(title=f"measured vs predicted (medians of {result.get('repeats')} interleaved rounds)")
+    for col in ("variant", "phase", "wall ms", "spread", "wall × meas", "wall × pred", "err", "GPU ms", "GPU × meas",
+                "GPU × pred", "err ", "kernels", "peak MiB", "term off", "µs/fused launch"):  # fmt: skip
+        table.add_column(col, justify="left" if col in ("variant", "phase", "term off") else "right")
+    for name, variant in timing["variants"].items():
+        for phase, f in variant["phases"].items():
+            spread = f.get("wall_ms_spread")
+            table.add_row(name, phase, fmt(f.get("wall_ms"), ".2f"),
+                          f"{spread[0]:.2f}–{spread[1]:.2f}" if spread else "—",
+                          fmt(f.get("measured_speedup_wall"), ".3f"), fmt(f.get("predicted_speedup_wall"), ".3f"),
+                          pct(f.get("error_wall")), fmt(f.get("gpu_ms"), ".2f"),
+                          fmt(f.get("measured_speedup_gpu"), ".3f"), fmt(f.get("predicted_speedup_gpu"), ".3f"),
+                          pct(f.get("error_gpu")), fmt(f.get("kernels"), ".0f"), fmt(variant.get("peak_mib"), ".0f"),
+                          f.get("term_off", ""), launch_cost(f))  # fmt: skip
+    out.print(table)
+    out.print(
+        "err: measured ÷ predicted − 1; term off: the step-model term (host or GPU saving) that missed most; "
+        "µs/fused launch: host time per fused launch, the step model's → what the measurement implies",
+        style="dim",
+    )
+
+
+def launch_cost(figures: dict) -> str:
+    """`model→implied` host µs per fused launch (see `apply.run.phase_figures`), or empty."""
+    model, implied = figures.get("model_us_per_fused_launch"), figures.get("implied_us_per_fused_launch")
+    return f"{model:.0f}→{implied:.0f}" if model is not None and implied is not None else ""
 
 
 def main() -> None:

@@ -50,8 +50,12 @@ NODE_COLUMNS = [
     "consumers",
     "is_view",
     "inplace",
+    "input_params",
 ]
 LEAF = -1  # producer id of a tensor no recorded op made: parameters, buffers, model inputs, state from before
+# `input_params` tells those leaves apart: per input, True when it is a parameter or buffer of the model (or shares
+# one's storage), False for a model input, state from before, or a tensor a recorded op made. A residual add reads an
+# activation and, in a block stack whose first block adds its input, a model input; a bias add reads a parameter.
 # Ops that compute nothing, besides the views (`is_view`): allocations and autograd bookkeeping. With the views they are
 # left out of the join rate: a fused kernel absorbs them for free, and the catalogue ranks groups by the others' time.
 METADATA_OPS = frozenset({"aten::lift_fresh", "aten::detach_", "aten::empty", "aten::empty_strided"})
@@ -100,9 +104,12 @@ class _Recorder(TorchDispatchMode):
     reuses a dead storage's memory is unaffected, as its own producer is always newer than any earlier write.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, module: torch.nn.Module | None = None) -> None:
         super().__init__()
         self.rows: list[tuple] = []
+        # the model's parameters and buffers, by storage: a leaf read through any alias of one is a parameter
+        tensors = [*module.parameters(), *module.buffers()] if module is not None else []
+        self.param_storages = {key for t in tensors if (key := self._storage_key(t)) is not None}
         self.step = -1
         self.phase = ""
         self.module_stack: list[str] = []
@@ -161,6 +168,7 @@ class _Recorder(TorchDispatchMode):
             if result is not NotImplemented:
                 return result
         inputs = tuple(self._producer_of(t) for t in tensors)
+        params = tuple(p == LEAF and self._storage_key(t) in self.param_storages for p, t in zip(inputs, tensors))
         in_shapes = tuple(tuple(t.shape) for t in tensors)
         in_dtypes = tuple(_dtype_name(t.dtype) for t in tensors)
 
@@ -195,6 +203,7 @@ class _Recorder(TorchDispatchMode):
                 tuple(scalars),
                 op.is_view,
                 op.inplace,
+                params,
             )
         )
         return out
@@ -223,7 +232,7 @@ def record_dataflow(workload: Workload) -> pd.DataFrame:
     Steps are numbered as `capture` numbers them (each `run_step` call is one step, from 0), so that a node and its
     timed op share (phase, step). `.attrs["record_s"]` holds the wall time of the pass.
     """
-    recorder = _Recorder()
+    recorder = _Recorder(workload.module)
     step = 0
 
     def run_step(phase: str, fn: Callable[[], Any]) -> Any:

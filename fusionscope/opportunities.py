@@ -125,44 +125,74 @@ def _confidence(group: pd.DataFrame) -> tuple[str, str]:
 
 
 def summarize_opportunities(per_match: pd.DataFrame, phases: dict[str, dict], roofs: dict) -> tuple[list[dict], dict]:
-    """Per (fusion, phase): per-step figures and end-to-end speedups, and the cumulative plan per phase (all
-    accepted fusions together, in catalogue order, as a waterfall)."""
+    """Per (fusion, phase): per-step figures and end-to-end speedups; and per phase the cumulative plan (all
+    accepted fusions together, in catalogue order, as a waterfall) — for every phase with a step model or, on CPU
+    runs, a wall time, even one without matches."""
     opportunities: list[dict] = []
     cumulative: dict[str, dict] = {}
-    if per_match.empty:
-        return opportunities, cumulative
-    for phase, in_phase in per_match.groupby("phase", sort=False):
-        model = amdahl.step_model(phases.get(phase, {}), roofs)
-        saved_gpu = saved_ops = added = 0.0
-        waterfall = []
-        for fusion, group in in_phase.groupby("fusion", sort=False):
-            # per step: sum over the step's matches, then the median over the phase's steps (one slow step — a
-            # first call, a page fault — must not set the figure)
-            by_step = group.groupby("step")[list(PER_STEP)].sum()
-            per_step = {k: float(by_step[k].median()) for k in PER_STEP}
-            saved = max(per_step["t_now_us"] - per_step["t_fused_us"], 0.0)
-            confidence, reason = _confidence(group)
-            row = {"fusion": fusion, "phase": phase, "count": float(group.groupby("step").size().median()),
-                   "module_paths": sorted(set(group["module"])), **per_step, "saved_us": saved,
-                   "speedup_gpu": None, "speedup_wall": None, "confidence": confidence, "reason": reason}  # fmt: skip
-            if model is None and phases.get(phase, {}).get("wall_ms_per_step"):
-                # CPU runs: the ops are the timeline and run one after another, so the profiled step is their sum
-                wall = 1e3 * phases[phase]["wall_ms_per_step"]
-                row.update(speedup_wall=wall / max(wall - saved, 1e-9))
-            if model is not None:
-                gain = amdahl.speedup(model, saved, per_step["ops_now"], per_step["launches_fused"])
-                row.update(speedup_gpu=gain.gpu, speedup_wall=gain.wall)
-                if confidence != "low":
-                    saved_gpu += saved
-                    saved_ops += per_step["ops_now"]
-                    added += per_step["launches_fused"]
-                    total = amdahl.speedup(model, saved_gpu, saved_ops, added)
-                    waterfall.append({"fusion": fusion, "speedup_gpu": total.gpu, "speedup_wall": total.wall})
-            opportunities.append(row)
-        if model is not None:
-            cumulative[phase] = {"waterfall": waterfall, "cuda_graph_share": amdahl.cuda_graph_share(model),
-                                 "regime": model.regime}  # fmt: skip
+    by_phase = dict(tuple(per_match.groupby("phase", sort=False))) if not per_match.empty else {}
+    for phase in dict.fromkeys([*by_phase, *phases]):
+        rows, plan = _summarize_phase(phase, by_phase.get(phase), phases.get(phase, {}), roofs)
+        opportunities += rows
+        if plan is not None:
+            cumulative[phase] = plan
     return opportunities, cumulative
+
+
+def _summarize_phase(phase: str, in_phase: pd.DataFrame | None, figures: dict,
+                     roofs: dict) -> tuple[list[dict], dict | None]:  # fmt: skip
+    """One phase's opportunity rows and its cumulative plan (None without a step model or a wall time).
+
+    On GPU runs the plan puts the accepted fusions' savings together through the step model; a CUDA graph is then
+    worth its share of the *fused* step (`cuda_graph_share`), what is left of the host time once the fusions removed
+    their ops — `cuda_graph_share_unfused` is what a graph alone would remove. On CPU runs the ops are the timeline
+    and run one after another, so the profiled step is their sum and a saving shortens it one for one; there is no
+    GPU speedup, no step model and no graph."""
+    model = amdahl.step_model(figures, roofs)
+    cpu_wall = None if model is not None or not figures.get("wall_ms_per_step") else 1e3 * figures["wall_ms_per_step"]
+    rows: list[dict] = []
+    saved_gpu = saved_ops = added = 0.0
+    waterfall = []
+    groups = in_phase.groupby("fusion", sort=False) if in_phase is not None else ()
+    for fusion, group in groups:
+        # per step: sum over the step's matches, then the median over the phase's steps (one slow step — a
+        # first call, a page fault — must not set the figure)
+        by_step = group.groupby("step")[list(PER_STEP)].sum()
+        per_step = {k: float(by_step[k].median()) for k in PER_STEP}
+        saved = max(per_step["t_now_us"] - per_step["t_fused_us"], 0.0)
+        confidence, reason = _confidence(group)
+        row = {"fusion": fusion, "phase": phase, "count": float(group.groupby("step").size().median()),
+               "module_paths": sorted(set(group["module"])), **per_step, "saved_us": saved,
+               "speedup_gpu": None, "speedup_wall": None, "confidence": confidence, "reason": reason}  # fmt: skip
+        accepted = confidence != "low"
+        if accepted:
+            saved_gpu += saved
+            saved_ops += per_step["ops_now"]
+            added += per_step["launches_fused"]
+        if cpu_wall is not None:
+            row.update(speedup_wall=cpu_wall / max(cpu_wall - saved, 1e-9))
+            if accepted:
+                waterfall.append({"fusion": fusion, "speedup_gpu": None,
+                                  "speedup_wall": cpu_wall / max(cpu_wall - saved_gpu, 1e-9)})  # fmt: skip
+        if model is not None:
+            gain = amdahl.speedup(model, saved, per_step["ops_now"], per_step["launches_fused"])
+            row.update(speedup_gpu=gain.gpu, speedup_wall=gain.wall)
+            if accepted:
+                total = amdahl.speedup(model, saved_gpu, saved_ops, added)
+                waterfall.append({"fusion": fusion, "speedup_gpu": total.gpu, "speedup_wall": total.wall})
+        rows.append(row)
+    if model is not None:
+        after = amdahl.fused(model, saved_gpu, saved_ops, added)
+        plan = {"waterfall": waterfall, "paced_by": model.paced_by, "fused_paced_by": after.paced_by,
+                "cuda_graph_share": amdahl.cuda_graph_share(after),
+                "cuda_graph_share_unfused": amdahl.cuda_graph_share(model),
+                "step_model": model.figures(), "fused_step_model": after.figures()}  # fmt: skip
+    elif cpu_wall is not None:
+        plan = {"waterfall": waterfall, "paced_by": None, "fused_paced_by": None, "cuda_graph_share": None,
+                "cuda_graph_share_unfused": None, "step_model": None, "fused_step_model": None}  # fmt: skip
+    else:
+        plan = None
+    return rows, plan
 
 
 def opportunities_table(opportunities: list[dict]) -> pd.DataFrame:

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -48,7 +49,10 @@ def default_out_dir(model_name: str) -> Path:
 
 
 def check_out_dir(out: Path) -> None:
-    """Refuse an existing folder and an unwritable parent before any work is done."""
+    """Refuse an existing folder and an unwritable parent before any work is done.
+
+    Permission bits are not enough: root may write anywhere by them, yet no folder can be made under /proc or on a
+    read-only mount. So the nearest existing ancestor is tried for real — a folder made in it and removed at once."""
     if out.exists():
         raise UsageError(f"--out {out} already exists; choose a new folder (runs are never overwritten)")
     parent = out.parent if str(out.parent) else Path(".")
@@ -57,13 +61,22 @@ def check_out_dir(out: Path) -> None:
         probe = probe.parent
     if not probe.is_dir() or not os.access(probe, os.W_OK):
         raise UsageError(f"cannot write to {parent}: choose an --out in a writable folder")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".fusionscope-probe.", dir=probe))
+    except OSError as exc:
+        raise UsageError(f"cannot write to {parent} ({exc.strerror}): choose an --out in a writable folder") from None
 
 
 @contextmanager
 def staged_dir(out: Path) -> Iterator[Path]:
-    """Yield a temporary folder beside `out`; rename it to `out` on success, remove it on any failure."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    """Yield a temporary folder beside `out`; rename it to `out` on success, remove it on any failure. A parent that
+    cannot be made (it vanished or became unwritable since `check_out_dir`) is a UsageError, not a traceback."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    except OSError as exc:
+        reason = f"cannot write to {out.parent} ({exc.strerror})"
+        raise UsageError(f"{reason}: choose an --out in a writable folder") from None
     try:
         yield tmp
         if out.exists():
@@ -72,6 +85,38 @@ def staged_dir(out: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@dataclass
+class Settings:
+    """A run's workload as the user asked for it (CLI flags / keyword arguments), checked before anything is built."""
+
+    model: str = "tiny-llama"
+    batch: int = 1
+    prompt_len: int = 128
+    decode_steps: int = 16
+    dtype: str = "auto"
+    device: str = "auto"
+    warmup: int = 1
+    remeasure: bool = False
+    sample: bool = False
+    temperature: float = 0.7
+    top_k: int = 50
+    top_p: float = 0.9
+
+    @property
+    def sampling(self) -> tuple[float, int, float] | None:
+        return (self.temperature, self.top_k, self.top_p) if self.sample else None
+
+
+@dataclass
+class Profiled:
+    """What the profile stages leave for a later stage in the same process (`apply`)."""
+
+    summary: dict
+    kernels: pd.DataFrame
+    workload: Any  # fusionscope.models.Workload, kept only when asked for
+    ceilings: Any  # fusionscope.device.DeviceCeilings
 
 
 def profile(
@@ -95,91 +140,119 @@ def profile(
 
     `sample=True` picks each next token as `generate(do_sample=True)` does (temperature → top-k → top-p → draw)
     instead of by argmax."""
+    settings = Settings(model, batch, prompt_len, decode_steps, dtype, device, warmup, remeasure, sample, temperature,
+                        top_k, top_p)  # fmt: skip
+    t_start = time.perf_counter()
+    out_dir, spec, dev, torch_dtype = prepare(settings, out)
+    with staged_dir(out_dir) as tmp:
+        done = profile_stages(settings, spec, dev, torch_dtype, tmp, on_stage)
+        finish_run_folder(tmp, done.summary, done.kernels, t_start, on_stage)
+    return Run(out_dir=out_dir, summary=done.summary, kernels=done.kernels)
+
+
+def prepare(settings: Settings, out: str | Path | None) -> tuple[Path, Any, Any, Any]:
+    """Resolve the model, device, dtype and run folder, refusing bad input before any work is done."""
+    from fusionscope import models
+
+    spec = models.resolve_model(settings.model)
+    dev = models.pick_device(settings.device)
+    torch_dtype = models.pick_dtype(settings.dtype, dev)
+    out_dir = Path(out) if out is not None else default_out_dir(spec.name)
+    check_out_dir(out_dir)
+    if settings.warmup < 0:
+        raise UsageError("--warmup must be ≥ 0")
+    return out_dir, spec, dev, torch_dtype
+
+
+def profile_stages(settings: Settings, spec: Any, dev: Any, torch_dtype: Any, tmp: Path,
+                   on_stage: Callable[[str], None] | None = None, keep_workload: bool = False) -> Profiled:  # fmt: skip
+    """Build, capture, analyse and estimate into the staged folder `tmp` (trace and tables written, summary returned;
+    summary.json and the report are written by `finish_run_folder`)."""
     from fusionscope import analysis, capture, dataflow, micro, models, opportunities, trace
     from fusionscope.device import get_ceilings, software_versions
     from fusionscope.fusions import Graph, find_matches
 
-    t_start = time.perf_counter()
     note = on_stage or (lambda _msg: None)
-    spec = models.resolve_model(model)
-    dev = models.pick_device(device)
-    torch_dtype = models.pick_dtype(dtype, dev)
-    out_dir = Path(out) if out is not None else default_out_dir(spec.name)
-    check_out_dir(out_dir)
-    if warmup < 0:
-        raise UsageError("--warmup must be ≥ 0")
-    with staged_dir(out_dir) as tmp:
-        note(f"building {spec.name} on {dev.type} in {str(torch_dtype).removeprefix('torch.')}")
-        workload = models.build_workload(
-            spec,
-            dev,
-            torch_dtype,
-            batch=batch,
-            prompt_len=prompt_len,
-            decode_steps=decode_steps,
-            sampling=(temperature, top_k, top_p) if sample else None,
-        )
-        note("measuring the device's roofs")
-        ceilings = get_ceilings(dev, remeasure=remeasure)
-        cap = capture.capture(workload, tmp, warmup=warmup, on_stage=note)
-        note("recording the dataflow (a separate, untimed pass)")
-        nodes = dataflow.record_dataflow(workload)
-        model_info = {
-            "name": spec.name,
-            "source": spec.source,
-            "family": workload.family,
-            "params": workload.params,
-            "dtype": str(torch_dtype).removeprefix("torch."),
-            "batch": batch,
-            "prompt_len": prompt_len if workload.phases != ("forward",) else None,
-            "decode_steps": decode_steps if workload.phases != ("forward",) else None,
-            "sampling": dict(zip(("temperature", "top_k", "top_p"), workload.sampling)) if workload.sampling else None,
-        }
+    note(f"building {spec.name} on {dev.type} in {str(torch_dtype).removeprefix('torch.')}")
+    workload = models.build_workload(
+        spec,
+        dev,
+        torch_dtype,
+        batch=settings.batch,
+        prompt_len=settings.prompt_len,
+        decode_steps=settings.decode_steps,
+        sampling=settings.sampling,
+    )
+    note("measuring the device's roofs")
+    ceilings = get_ceilings(dev, remeasure=settings.remeasure)
+    cap = capture.capture(workload, tmp, warmup=settings.warmup, on_stage=note)
+    note("recording the dataflow (a separate, untimed pass)")
+    nodes = dataflow.record_dataflow(workload)
+    model_info = {
+        "name": spec.name,
+        "source": spec.source,
+        "family": workload.family,
+        "params": workload.params,
+        "dtype": str(torch_dtype).removeprefix("torch."),
+        "batch": settings.batch,
+        "prompt_len": settings.prompt_len if workload.phases != ("forward",) else None,
+        "decode_steps": settings.decode_steps if workload.phases != ("forward",) else None,
+        "sampling": dict(zip(("temperature", "top_k", "top_p"), workload.sampling)) if workload.sampling else None,
+    }
+    if not keep_workload:
         del workload
-        note("loading the trace (HTA) and joining kernels to ops and modules")
-        timeline = trace.load_timeline(cap.trace_path)
-        note("costing and classifying kernels")
-        kernels = analysis.kernel_table(timeline)
-        kernels = analysis.classify(kernels, ceilings.copy_gbps, ceilings.peak_tflops())
-        ops_per_step = timeline.ops.groupby("phase").size() / timeline.steps.groupby("phase").size()
-        note("matching the fusion catalogue on the dataflow and estimating each fusion")
-        joined = dataflow.join_dataflow(nodes, timeline.ops)
-        graph = Graph(joined)
-        matches = find_matches(graph)
-        per_match = opportunities.estimate_matches(matches, joined, timeline.ops, kernels, ceilings.to_json())
-        summary = {
-            "schema": SCHEMA_VERSION,
-            "created": datetime.now(UTC).isoformat(timespec="seconds"),
-            "command": command_line(),
-            "model": model_info,
-            "device": {"kind": dev.type, "name": ceilings.name},
-            "versions": software_versions(),
-            "roofs": ceilings.to_json(),
-            "cost_coverage": analysis.cost_coverage(kernels),
-            "phases": analysis.summarize_phases(
-                kernels,
-                timeline.steps,
-                cap.unprofiled_ms,
-                timeline.device_kind,
-                {str(k): float(v) for k, v in ops_per_step.dropna().items()},
-            ),
-        }
-        summary["dataflow"] = {"nodes": len(joined), "join_rate": dataflow.join_rate(joined)}
-        summary["opportunities"], summary["cumulative"] = opportunities.summarize_opportunities(
-            per_match, summary["phases"], summary["roofs"]
-        )
-        if dev.type == "cuda" and summary["opportunities"]:
-            note("timing the bundled kernels alone on the shapes found (micro-measured column)")
-        micro.micro_measure(summary["opportunities"], graph, matches, dev, torch_dtype)
-        note("writing the run folder")
-        write_tables(tmp, kernels, timeline.ops)
-        opportunities.opportunities_table(summary["opportunities"]).to_csv(
-            tmp / "opportunities.csv", index=False, float_format="%.6g"
-        )
-        summary["wall_s"] = round(time.perf_counter() - t_start, 2)
-        write_json(tmp / "summary.json", summary)
-        (tmp / "report.html").write_text(render_report(summary, kernels), encoding="utf-8")
-    return Run(out_dir=out_dir, summary=summary, kernels=kernels)
+        workload = None
+    note("loading the trace (HTA) and joining kernels to ops and modules")
+    timeline = trace.load_timeline(cap.trace_path)
+    note("costing and classifying kernels")
+    kernels = analysis.kernel_table(timeline)
+    kernels = analysis.classify(kernels, ceilings.copy_gbps, ceilings.peak_tflops())
+    ops_per_step = timeline.ops.groupby("phase").size() / timeline.steps.groupby("phase").size()
+    note("matching the fusion catalogue on the dataflow and estimating each fusion")
+    joined = dataflow.join_dataflow(nodes, timeline.ops)
+    graph = Graph(joined)
+    matches = find_matches(graph)
+    per_match = opportunities.estimate_matches(matches, joined, timeline.ops, kernels, ceilings.to_json())
+    summary = {
+        "schema": SCHEMA_VERSION,
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "command": command_line(),
+        "model": model_info,
+        "device": {"kind": dev.type, "name": ceilings.name},
+        "versions": software_versions(),
+        "roofs": ceilings.to_json(),
+        "cost_coverage": analysis.cost_coverage(kernels),
+        "phases": analysis.summarize_phases(
+            kernels,
+            timeline.steps,
+            cap.unprofiled_ms,
+            timeline.device_kind,
+            {str(k): float(v) for k, v in ops_per_step.dropna().items()},
+        ),
+    }
+    summary["dataflow"] = {"nodes": len(joined), "join_rate": dataflow.join_rate(joined)}
+    summary["opportunities"], summary["cumulative"] = opportunities.summarize_opportunities(
+        per_match, summary["phases"], summary["roofs"]
+    )
+    if dev.type == "cuda" and summary["opportunities"]:
+        note("timing the bundled kernels alone on the shapes found (micro-measured column)")
+    micro.micro_measure(summary["opportunities"], graph, matches, dev, torch_dtype)
+    note("writing the tables")
+    write_tables(tmp, kernels, timeline.ops)
+    opportunities.opportunities_table(summary["opportunities"]).to_csv(
+        tmp / "opportunities.csv", index=False, float_format="%.6g"
+    )
+    return Profiled(summary=summary, kernels=kernels, workload=workload, ceilings=ceilings)
+
+
+def finish_run_folder(tmp: Path, summary: dict, kernels: pd.DataFrame, t_start: float,
+                      on_stage: Callable[[str], None] | None = None) -> None:  # fmt: skip
+    """Write summary.json (with the run's wall time) and report.html into the staged folder."""
+    if on_stage:
+        on_stage("writing the run folder")
+    summary["wall_s"] = round(time.perf_counter() - t_start, 2)
+    write_json(tmp / "summary.json", summary)
+    (tmp / "report.html").write_text(render_report(summary, kernels), encoding="utf-8")
 
 
 def command_line() -> str:

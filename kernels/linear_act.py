@@ -228,8 +228,10 @@ def _epilogue_applies(
         return f"torch has no fused {activation!r} epilogue on {x2d.device.type}"
     if bias is None and activation != "none":
         return "the activation epilogue needs a bias"
-    if x2d.stride(1) != 1 or weight.stride(1) != 1:
-        return "x and weight need unit stride along K"
+    # cuBLAS takes the weight in either layout: nn.Linear's (N, K) rows, or GPT-2 Conv1D's (K, N) seen as its
+    # transpose (`weight.t()` is then contiguous, exactly the operand Conv1D's own addmm passes).
+    if x2d.stride(1) != 1 or (weight.stride(1) != 1 and weight.stride(0) != 1):
+        return "x needs unit stride along K, and the weight unit stride along one of its dims"
     if (bias is not None and bias.stride(0) != 1) or (out2d is not None and not out2d.is_contiguous()):
         return "bias and out must be contiguous"
     return None

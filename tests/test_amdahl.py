@@ -17,7 +17,7 @@ def host_bound_phase() -> dict:
 
 def test_gpu_saving_without_saved_launches_barely_moves_a_host_bound_step() -> None:
     model = amdahl.step_model(host_bound_phase(), ROOFS)
-    assert model is not None and model.regime == "host-bound"
+    assert model is not None and model.paced_by == "host"
     result = amdahl.speedup(model, saved_gpu_us=0.12 * model.gpu_us, saved_ops=0, added_launches=0)
     assert result.gpu == pytest.approx(1 / 0.88)
     assert result.wall < 1.02
@@ -35,7 +35,7 @@ def test_gpu_bound_step_follows_the_gpu_saving() -> None:
     phase = {"wall_ms_per_step": 10.0, "wall_ms_per_step_unprofiled": 9.0, "gpu_busy_ms_per_step": 8.5,
              "ops_per_step": 400.0, "regime": "gpu-bound"}  # fmt: skip
     model = amdahl.step_model(phase, ROOFS)
-    assert model.regime == "gpu-bound"
+    assert model.paced_by == "gpu"
     assert model.host_us == pytest.approx(400 * 10.0)  # the measured one-kernel op cost, host hidden
     assert model.exposed_us == pytest.approx(500.0)  # GPU idle: the part of the 9 ms the GPU's 8.5 ms leaves
     result = amdahl.speedup(model, saved_gpu_us=850.0, saved_ops=0, added_launches=0)
@@ -51,7 +51,7 @@ def test_a_gpu_bound_step_never_models_more_host_time_than_its_wall() -> None:
     phase = {"wall_ms_per_step": 91.6, "wall_ms_per_step_unprofiled": 24.1, "gpu_busy_ms_per_step": 16.4,
              "ops_per_step": 5114.0, "regime": "gpu-bound"}  # fmt: skip
     model = amdahl.step_model(phase, {"aten_op_host_us": 10.6, "launch_us": 16.4})
-    assert model.host_us == pytest.approx(24_100) and model.exposed_us == 0.0 and model.regime == "host-bound"
+    assert model.host_us == pytest.approx(24_100) and model.exposed_us == 0.0 and model.paced_by == "host"
     assert amdahl.speedup(model, 0.0, 0.0, 0.0).wall == pytest.approx(1.0)
     assert amdahl.speedup(model, 2_000.0, 0.0, 0.0).wall == pytest.approx(1.0)
     per_op = 24_100 / 5114

@@ -53,7 +53,8 @@ EXTRAS: list[tuple[str, str, str | None, str, float, float, float, str]] = [
 ]
 
 DECODE_REGIME = (
-    "host-bound: the GPU is busy 16% of each decode step; the CPU launching 1,462 kernels per step sets the pace"
+    "host-bound (measured): the GPU is busy 16% of each decode step, under half of it; the CPU launching 1,462 "
+    "kernels per step sets the pace"
 )
 CPU_SENTENCE = "CPU run: the aten ops are the timeline; classes are against this CPU's measured roofs."
 
@@ -295,7 +296,7 @@ def test_regime_is_said_in_plain_words(cuda_page: str) -> None:
     """GIVEN a host-bound decode and a gpu-bound prefill THEN both regime sentences are on the page."""
     assert DECODE_REGIME in cuda_page
     assert "capturing CUDA graphs helps more than faster kernels" in cuda_page
-    assert "gpu-bound: the GPU is busy 93% of each prefill step" in cuda_page
+    assert "gpu-bound (measured): the GPU is busy 93% of each prefill step, at least half of it" in cuda_page
     assert 'class="regime host-bound"' in cuda_page
 
 
@@ -558,8 +559,10 @@ def test_the_waterfall_names_what_paces_the_step() -> None:
     from fusionscope.report.opportunities import waterfall_figure
 
     plan = {"waterfall": [{"fusion": "add_rms_norm", "speedup_gpu": 1.1, "speedup_wall": 1.2}],
-            "cuda_graph_share": 0.8, "regime": "host-bound"}  # fmt: skip
+            "cuda_graph_share": 0.8, "cuda_graph_share_unfused": 0.9, "paced_by": "host"}  # fmt: skip
     fig = waterfall_figure("decode", plan)
     assert "paced by the host" in fig.layout.title.text
-    assert list(fig.data[0].x) == ["add_rms_norm", "then CUDA graph"]
-    assert "paced by" not in waterfall_figure("decode", {**plan, "regime": None}).layout.title.text
+    assert list(fig.data[0].x) == ["add_rms_norm", "then CUDA graph", "in all"]
+    assert "paced by" not in waterfall_figure("decode", {**plan, "paced_by": None}).layout.title.text
+    old = {"waterfall": plan["waterfall"], "cuda_graph_share": 0.8, "regime": "host-bound"}  # before `paced_by`
+    assert "paced by the host" in waterfall_figure("decode", old).layout.title.text

@@ -9,21 +9,35 @@ fused kernel's residual write replaces it. GPT-2 thus matches every LayerNorm: l
 2·L + 1 per step (ln_1 of block 0 reads wte + wpe, through the dropout copy). Bytes per row of N (size s): unfused
 5·N·s (add reads 2, writes 1; layer_norm reads 1, writes 1; plus 8 bytes of statistics), 7·N·s with the copy;
 fused 4·N·s (reads x and residual, writes the residual and the output).
+
+Patching (`patch`): GPT-2's blocks are rewritten per instance, carrying the residual across the block boundary
+(`fusionscope.apply.gpt2`): 2·L of the 2·L + 1 sites — block 0's ln_1 reads the embedding sum made inline in the
+model's forward and stays unfused. BERT-style post-LN outputs (`dense → dropout → LayerNorm(h + input_tensor)`, a
+module with exactly those three children, whose forward reads nothing else) get a forward that calls the kernel for
+the add and the norm.
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from fusionscope.apply.patching import Support
 from fusionscope.fusions.base import Graph, Match, row_micro_case
+from fusionscope.fusions.linear_act import forward_names
 from fusionscope.fusions.rms_norm import is_residual_add
 
 if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from fusionscope.apply.patching import Patcher
     from fusionscope.bench.cases import Case
 
 KEY = "add_layer_norm"
 KERNEL = "add_layer_norm"
-FAMILIES = ("gpt2",)
+FAMILIES = ("gpt2", "bert")
 TITLE = "residual add + LayerNorm → one kernel, two outputs"
 LAYER_NORMS = ("aten::native_layer_norm", "aten::layer_norm")
 
@@ -49,3 +63,70 @@ def micro_case(graph: Graph, match: Match) -> Case | None:
     from fusionscope.bench.cases import add_layer_norm_case
 
     return row_micro_case(graph, match, "aten::add", add_layer_norm_case)
+
+
+# BertSelfOutput / BertOutput and their copies: the children, in the order the forward reads them
+POST_NORM_CHILDREN = ("dense", "dropout", "LayerNorm")
+
+
+def patch(patcher: Patcher, paths: list[str]) -> dict[str, Support]:
+    """Fuse the residual add into each LayerNorm at `paths` (the norms' module paths); one Support per path."""
+    try:
+        from fusionscope.kernels import add_layer_norm as kernel
+    except ImportError as error:
+        return {path: Support.no(f"the add_layer_norm kernel does not load here: {error}") for path in paths}
+    from fusionscope.apply import gpt2
+
+    results: dict[str, Support] = {}
+    stacks: dict[str, dict[gpt2.Site, str]] = {}
+    for path in paths:
+        if patcher.module(path) is None:
+            results[path] = Support.no("the model has no module at this path")
+        elif (site := gpt2.site_of(patcher, path)) is not None:
+            stacks.setdefault(site.stack, {})[site] = path
+        else:
+            results[path] = _patch_post_norm(patcher, path, kernel)
+    for stack, sites in stacks.items():
+        results.update(gpt2.patch_stack(patcher, stack, sites, kernel))
+    return {path: results[path] for path in paths}
+
+
+def _patch_post_norm(patcher: Patcher, path: str, kernel: Callable[..., tuple]) -> Support:
+    """A post-LN output module (`LayerNorm(dropout(dense(h)) + input_tensor)`) whose LayerNorm is at `path`."""
+    from torch import nn
+
+    parent_path, _, name = path.rpartition(".")
+    parent = patcher.module(parent_path)
+    if parent is None:
+        return Support.no("the LayerNorm has no parent module whose forward could make the add")
+    children = tuple(sorted(n for n, _ in parent.named_children()))
+    params = tuple(inspect.signature(type(parent).forward).parameters)[1:]
+    if (
+        name != "LayerNorm"
+        or children != tuple(sorted(POST_NORM_CHILDREN))
+        or forward_names(parent) != POST_NORM_CHILDREN
+        or not isinstance(parent.LayerNorm, nn.LayerNorm)
+        or params != ("hidden_states", "input_tensor")
+    ):
+        return Support.no(
+            "the residual add before this LayerNorm is not in a module layout the patch knows (a GPT-2 block's "
+            "ln_1 / ln_2 / ln_f, or a BERT-style dense → dropout → LayerNorm(h + input_tensor) output); it runs "
+            "inline in its parent's forward"
+        )
+    patcher.set_forward(parent, _post_norm_forward(kernel), owner=KEY)
+    return Support.yes()
+
+
+def _post_norm_forward(kernel: Callable[..., tuple]) -> Callable[..., torch.Tensor]:
+    """BertSelfOutput.forward with the residual add and the LayerNorm in one kernel call (the class's own forward in
+    training mode: the kernel keeps no autograd history)."""
+
+    def forward(self: nn.Module, hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            return type(self).forward(self, hidden_states, input_tensor)
+        h = self.dropout(self.dense(hidden_states))
+        norm = self.LayerNorm
+        out, _ = kernel(h, input_tensor, norm.weight, norm.bias, norm.eps)
+        return out
+
+    return forward

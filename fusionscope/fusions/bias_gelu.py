@@ -8,18 +8,25 @@ tanh/erf chain as `linear_act` recognises it — and, when the GELU output's onl
 registry) takes the GEMM, bias and activation together and this entry does not see them; a GLU gate is left to
 `gelu_and_mul`. Bytes per row of N (size s): unfused 4·N·s (add, gelu: each reads and writes), 7·N·s with the
 residual add; fused 2·N·s, 3·N·s with the residual (counted in `kernels/bias_gelu.py`).
+
+No patch: the three ops run inline in one module's own forward (the match's anchor; e.g. `x + gelu(h + bias)`),
+with no submodule boundary before or after them that an instance patch could take over. Putting the kernel there
+means rewriting that forward line for line, which only its author's code knows; where a GEMM produces the biased
+tensor through an `nn.Linear`/`Conv1D`, `linear_act` takes it instead. `patch` says so for each path.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from fusionscope.apply.patching import Support
 from fusionscope.dataflow import LEAF
 from fusionscope.fusions.base import Graph, Match, rows_and_width
 from fusionscope.fusions.gelu_and_mul import gating_muls
 from fusionscope.fusions.linear_act import activation_of
 
 if TYPE_CHECKING:
+    from fusionscope.apply.patching import Patcher
     from fusionscope.bench.cases import Case
 
 KEY = "bias_gelu"
@@ -70,3 +77,16 @@ def micro_case(graph: Graph, match: Match) -> Case | None:
     computed = 0 if graph.inputs[add][0] != LEAF else 1
     shape = rows_and_width(tuple(graph.column("input_shapes")[add][computed]))
     return bias_gelu_case(*shape) if shape else None
+
+
+def patch(patcher: Patcher, paths: list[str]) -> dict[str, Support]:
+    """Support.no for every path, naming the module whose own forward holds the ops (see the module docstring)."""
+    results = {}
+    for path in paths:
+        module = patcher.module(path)
+        where = f"{type(module).__name__}.forward" if module is not None else "a forward the model has no module for"
+        results[path] = Support.no(
+            f"the bias add, GELU and residual add run inline in {where}: no submodule boundary to patch at; "
+            "fusing them means rewriting that forward"
+        )
+    return results

@@ -20,6 +20,7 @@ from fusionscope.fusions.base import Graph, Match
 
 KEY = "dequant_gemm"
 KERNEL = None  # its kernel comes later
+NO_PATCH = "no bundled kernel yet: the W4A16 dequant + GEMM kernel is not shipped, so there is nothing to patch in"
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
 TITLE = "dequantise (unpack, shift, mask, scale) + GEMM → one kernel (kernel to come)"
 

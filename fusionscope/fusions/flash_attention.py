@@ -23,11 +23,17 @@ Not in the group (misses): the causal mask construction in `model` (arange/le/wh
 
 from __future__ import annotations
 
+import copy
+
+import torch
+from torch import nn
+
+from fusionscope.apply.patching import Patcher, Support
 from fusionscope.fusions.base import Graph, Match
 
 KEY = "flash_attention"
 KERNEL = None  # served by torch's fused SDPA / flash-attn: attn_implementation="sdpa" or "flash_attention_2"
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")  # not Gemma-2: SDPA has no soft-capping
 TITLE = "eager attention → one fused attention call (PyTorch SDPA / flash-attn; no kernel of ours)"
 
 _SHAPE_OPS = frozenset({"aten::view", "aten::expand", "aten::unsqueeze", "aten::clone", "aten::_unsafe_view",
@@ -80,3 +86,80 @@ def find(graph: Graph) -> list[Match]:
         matches.append(Match(KEY, phase, step, tuple(sorted(group)), module,
                              escaping=graph.escaping(group, {out})))  # fmt: skip
     return matches
+
+
+# ------------------------------------------------------------------------------------------------------------ patch
+
+
+def _sdpa_refusal(module: nn.Module, config: object) -> str:
+    """Why SDPA cannot compute what this eager attention computes ('' when it can). Hugging Face's sdpa path
+    (integrations/sdpa_attention.py) has no soft-capping (5.24 raises, 5.17 silently drops `softcap`), returns no
+    attention weights, and on CUDA runs a fused kernel only where one accepts the head dim and dtype with the
+    additive mask the eager model builds."""
+    softcap = getattr(module, "attn_logit_softcapping", None)
+    if softcap is None:
+        softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        return f"SDPA has no attention-logit soft-capping (attn_logit_softcapping={softcap})"
+    if getattr(config, "output_attentions", False):
+        return "the model returns attention weights (output_attentions), which SDPA does not compute"
+    weight = getattr(getattr(module, "q_proj", None), "weight", None)
+    head_dim = getattr(module, "head_dim", None)
+    if weight is not None and weight.is_cuda and isinstance(head_dim, int) and not _cuda_fused_sdpa(weight, head_dim):
+        return f"no fused SDPA kernel takes head_dim={head_dim} in {weight.dtype} with a mask on this GPU (math path)"
+    return ""
+
+
+def _cuda_fused_sdpa(weight: torch.Tensor, head_dim: int) -> bool:
+    """Whether a fused SDPA backend (memory-efficient, cuDNN or flash) accepts (1, 1, 2, head_dim) q/k/v in the
+    weight's dtype with an additive float mask, as the eager model's attention calls it; True when torch cannot say."""
+    cuda = torch.backends.cuda
+    try:
+        q = torch.zeros(1, 1, 2, head_dim, dtype=weight.dtype, device=weight.device)
+        mask = torch.zeros(1, 1, 2, 2, dtype=weight.dtype, device=weight.device)
+        params = cuda.SDPAParams(q, q, q, mask, 0.0, False, False)
+        checks = [getattr(cuda, n) for n in ("can_use_efficient_attention", "can_use_cudnn_attention",
+                                             "can_use_flash_attention") if hasattr(cuda, n)]  # fmt: skip
+        return any(check(params) for check in checks) if checks else True
+    except (AttributeError, TypeError, RuntimeError):  # an older or newer torch without this API shape
+        return True
+
+
+def patch_attention(patcher: Patcher, path: str) -> Support:
+    """Give the eager attention at `path` its own shallow copy of the config with `_attn_implementation="sdpa"`: its
+    forward looks the attention function up there at call time. The shared config object is left untouched (the
+    internal field is set on the copy directly: the property's setter would also write the sub-configs, which a
+    shallow copy shares). The mask is still built by the model for eager attention (a float additive mask), which
+    SDPA takes as it is."""
+    from fusionscope.apply.attention import looks_up_interface, modeling_module
+
+    module = patcher.module(path)
+    config = getattr(module, "config", None)
+    if module is None or config is None:
+        return Support.no("the model has no attention module with a config at this path")
+    if getattr(config, "_attn_implementation", None) != "eager":
+        return Support.no(f"its attention runs {getattr(config, '_attn_implementation', None)!r}, not eager")
+    if not looks_up_interface(type(module)):
+        return Support.no(f"{type(module).__name__}.forward does not pick its attention function from the config")
+    functions = getattr(modeling_module(module), "ALL_ATTENTION_FUNCTIONS", None)
+    if functions is None or "sdpa" not in functions:
+        return Support.no("transformers has no sdpa attention function registered here")
+    reason = _sdpa_refusal(module, config)
+    if reason:
+        return Support.no(reason)
+    own = copy.copy(config)
+    if "_attn_implementation_internal" in vars(own):
+        vars(own)["_attn_implementation_internal"] = "sdpa"
+    elif not getattr(own, "sub_configs", None):
+        own._attn_implementation = "sdpa"
+    if own._attn_implementation != "sdpa" or config._attn_implementation != "eager":
+        return Support.no("this config does not let one attention module switch its implementation alone")
+    patcher.set_attr(module, "config", own)
+    return Support.yes()
+
+
+def patch(patcher: Patcher, paths: list[str]) -> dict[str, Support]:
+    """Each eager attention module at `paths` → torch's fused `scaled_dot_product_attention` (Hugging Face's sdpa
+    path), per instance; refused with the reason where SDPA cannot compute the same thing (`_sdpa_refusal`). A call
+    that asks for `output_attentions=True` at run time gets no attention weights back from a patched layer."""
+    return {path: patch_attention(patcher, path) for path in paths}

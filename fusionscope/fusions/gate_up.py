@@ -18,8 +18,9 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
+from fusionscope.apply.patching import Patcher, Support
 from fusionscope.fusions.base import Graph, Match
-from fusionscope.fusions.qkv import find_linears, horizontal_micro_case
+from fusionscope.fusions.qkv import find_linears, horizontal_micro_case, patch_linears
 
 if TYPE_CHECKING:
     from fusionscope.bench.cases import Case
@@ -38,3 +39,9 @@ def find(graph: Graph) -> list[Match]:
 
 def micro_case(graph: Graph, match: Match) -> Case | None:
     return horizontal_micro_case(graph, match, KEY)
+
+
+def patch(patcher: Patcher, paths: list[str]) -> dict[str, Support]:
+    """gate_proj and up_proj of each MLP at `paths` → one GEMM, served to the MLP's two calls (see
+    `qkv.FusedProjections`); composes with silu_and_mul / gelu_and_mul, whose forwards call both projections."""
+    return patch_linears(patcher, paths, KEY, ("gate_proj", "up_proj"))

@@ -13,7 +13,9 @@ from __future__ import annotations
 from functools import partial
 from typing import TYPE_CHECKING
 
+from fusionscope.apply.patching import Patcher, Support
 from fusionscope.fusions.base import Graph, Match, row_micro_case
+from fusionscope.fusions.silu_and_mul import patch_glu
 
 if TYPE_CHECKING:
     from fusionscope.bench.cases import Case
@@ -49,3 +51,9 @@ def micro_case(graph: Graph, match: Match) -> Case | None:
     from fusionscope.bench.cases import glu_case
 
     return row_micro_case(graph, match, "aten::gelu", partial(glu_case, KERNEL))
+
+
+def patch(patcher: Patcher, paths: list[str]) -> dict[str, Support]:
+    """GeGLU MLPs → `down_proj(gelu_and_mul(gate_proj(x), up_proj(x), approximate))`, approximate from the activation
+    module's class (GELUTanh / NewGELU: "tanh", GELUActivation: "none", nn.GELU: its own); see `silu_and_mul.patch`."""
+    return patch_glu(patcher, paths, KEY)

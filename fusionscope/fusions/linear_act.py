@@ -14,21 +14,36 @@ intermediate of the chain read outside it is reported as escaping. GPT-2: one ma
 Bytes per call, x (M, K), W (K, N), size s: the GEMM moves (M·K + K·N + N + M·N)·s; unfused the activation adds
 2·M·N·s for one op, ≈ 18·M·N·s for the 8-op gelu_new chain (each op reads and writes M·N, three read two), and a
 separate bias add 3·M·N·s; fused (M·K + K·N + N + M·N)·s, one launch.
+
+Patching (`patch`): the GEMM module's parent gets a forward that calls the kernel for GEMM, bias and activation
+and then runs the modules the parent applies after them. The parents known by their children (`LAYOUTS`): GPT-2's
+MLP (`c_fc` → `act` → `c_proj` → `dropout`) and BERT's intermediate (`dense` → `intermediate_act_fn`) and LM-head
+transform (`dense` → `transform_act_fn` → `LayerNorm`). A GEMM is an `nn.Linear` (weight (N, K)) or transformers'
+`Conv1D` (weight (K, N): the kernel is given its transposed view, no copy); the activation module is named in
+`ACTIVATIONS`.
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from fusionscope.apply.patching import Support
 from fusionscope.fusions.base import Graph, Match
 from fusionscope.fusions.gelu_and_mul import gating_muls
 
 if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from fusionscope.apply.patching import Patcher
     from fusionscope.bench.cases import Case
 
 KEY = "linear_act"
 KERNEL = "linear_act"
-FAMILIES = ("gpt2",)
+FAMILIES = ("gpt2", "bert")
 TITLE = "GEMM + bias + activation → one kernel (epilogue)"
 GEMMS = ("aten::addmm", "aten::mm")
 SINGLE = ("aten::gelu", "aten::relu", "aten::silu")
@@ -124,3 +139,101 @@ def micro_case(graph: Graph, match: Match) -> Case | None:
     activation = ("silu" if "aten::silu" in names else "relu" if "aten::relu" in names
                   else "gelu_tanh" if "aten::tanh" in names or tanh_gelu else "gelu")  # fmt: skip
     return linear_act_case(x[0], x[1], w[1], activation)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parent module that computes `after(act(gemm(x)))`: the attribute names, which are its only children and
+    the only names its forward reads (`forward_names`)."""
+
+    gemm: str
+    act: str
+    after: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.gemm, self.act, *self.after)
+
+
+def forward_names(module: object) -> tuple[str, ...]:
+    """The attribute and global names its class's forward reads, in order of first use (decorators unwrapped), then
+    any number it uses: a forward that does more than call its children (`torch.tanh`, `self.scale`, `* 2`) shows it
+    here."""
+    code = inspect.unwrap(type(module).forward).__code__
+    return code.co_names + tuple(repr(c) for c in code.co_consts if c is not None and not isinstance(c, str))
+
+
+LAYOUTS = (
+    Layout("c_fc", "act", ("c_proj", "dropout")),  # GPT2MLP (and its copies: ImageGPT, DecisionTransformer)
+    Layout("dense", "intermediate_act_fn"),  # BertIntermediate and its copies
+    Layout("dense", "transform_act_fn", ("LayerNorm",)),  # BertPredictionHeadTransform
+)
+# Activation modules by class name -> the kernel's activation. FastGELU is the tanh GELU with √(2/π) rounded to
+# 0.7978845608; GELUActivation is the erf GELU (both of its variants); nn.GELU is looked up by its `approximate`.
+ACTIVATIONS = {
+    "NewGELUActivation": "gelu_tanh", "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh",
+    "FastGELUActivation": "gelu_tanh", "GELUActivation": "gelu", "ReLU": "relu", "SiLU": "silu",
+    "SiLUActivation": "silu",
+}  # fmt: skip
+
+
+def activation_name(module: object) -> str | None:
+    """The kernel's name for an activation module, or None when the kernel has no such epilogue."""
+    if type(module).__name__ == "GELU" and hasattr(module, "approximate"):
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(module.approximate)
+    return ACTIVATIONS.get(type(module).__name__)
+
+
+def patch(patcher: Patcher, paths: list[str]) -> dict[str, Support]:
+    """Put `linear_act` into the parent of each GEMM module at `paths`; one Support per path."""
+    try:
+        from fusionscope.kernels import linear_act as kernel
+    except ImportError as error:
+        return {path: Support.no(f"the linear_act kernel does not load here: {error}") for path in paths}
+    return {path: _patch_one(patcher, path, kernel) for path in paths}
+
+
+def _patch_one(patcher: Patcher, path: str, kernel: Callable[..., torch.Tensor]) -> Support:
+    from torch import nn
+    from transformers.pytorch_utils import Conv1D
+
+    gemm = patcher.module(path)
+    parent_path, _, name = path.rpartition(".")
+    parent = patcher.module(parent_path) if gemm is not None and path else None
+    if parent is None:
+        return Support.no("the model has no GEMM module with a parent at this path")
+    children, names = sorted(n for n, _ in parent.named_children()), forward_names(parent)
+    layout = next((lay for lay in LAYOUTS if lay.names == names and sorted(names) == children), None)
+    if layout is None or layout.gemm != name:
+        return Support.no(
+            f"{type(parent).__name__}.forward is not a layout the patch knows (c_fc → act → c_proj → dropout, "
+            "dense → intermediate_act_fn, dense → transform_act_fn → LayerNorm, and nothing else)"
+        )
+    if not isinstance(gemm, nn.Linear | Conv1D):
+        return Support.no(f"{type(gemm).__name__} is neither nn.Linear nor Conv1D")
+    activation = activation_name(getattr(parent, layout.act))
+    if activation is None:
+        act = type(getattr(parent, layout.act)).__name__
+        return Support.no(f"the kernel has no epilogue for {act} (it has gelu, gelu_tanh, relu, silu)")
+    patcher.set_forward(parent, _fused_forward(layout, activation, isinstance(gemm, Conv1D), kernel), owner=KEY)
+    return Support.yes()
+
+
+def _fused_forward(
+    layout: Layout, activation: str, transposed: bool, kernel: Callable[..., torch.Tensor]
+) -> Callable[..., torch.Tensor]:
+    """The parent's forward with GEMM, bias and activation in one kernel call, then its `after` modules. Conv1D keeps
+    W as (K, N): `W.t()` is the (N, K) view the kernel takes (strides (1, N); it reads any strides). In training mode
+    the class's own forward runs (the kernel keeps no autograd history)."""
+
+    def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            return type(self).forward(self, hidden_states)
+        gemm = getattr(self, layout.gemm)
+        weight = gemm.weight.t() if transposed else gemm.weight
+        h = kernel(hidden_states, weight, gemm.bias, activation)
+        for name in layout.after:
+            h = getattr(self, name)(h)
+        return h
+
+    return forward

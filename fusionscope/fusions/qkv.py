@@ -18,8 +18,14 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
+import torch
+from torch import nn
+
+from fusionscope.apply.patching import Patcher, Support
 from fusionscope.dataflow import LEAF
 from fusionscope.fusions.base import Graph, Match
 
@@ -131,3 +137,118 @@ def find(graph: Graph) -> list[Match]:
 
 def micro_case(graph: Graph, match: Match) -> Case | None:
     return horizontal_micro_case(graph, match, KEY)
+
+
+# ------------------------------------------------------------------------------------------------------------ patch
+
+
+class FusedProjections:
+    """One GEMM for a group of Linears that read one input, served to each Linear's own forward call.
+
+    The first projection called on an input computes every projection at once (one GEMM over the weights that
+    `fuse_linears` concatenated, the outputs views of its result) and keeps the others' outputs, each with the input
+    tensor it was computed from and that tensor's version counter; a projection called with that same tensor object,
+    unmodified, returns its kept view, any other call computes the group again. So the model's forward, which calls
+    each projection on the same `hidden_states`, runs one GEMM per group instead of n, in whichever order it calls
+    them, and a call on any other input is still exact."""
+
+    def __init__(self, fused: nn.Linear, sizes: list[int]) -> None:
+        self.fused = fused  # holds the fused weight (ΣN, K) and bias (ΣN,) the originals are views of
+        self.sizes = sizes
+        self.pending: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # index -> (input, version, output)
+
+    def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Projection `index` of x: (..., K) -> (..., N_index), a view of the group's (..., ΣN) output."""
+        kept = self.pending.pop(index, None)
+        if kept is not None and kept[0] is x and kept[1] == _version(x):
+            return kept[2]
+        # F.linear directly, not the FusedLinear module: a module call costs host time at decode, where this runs
+        outputs = nn.functional.linear(x, self.fused.weight, self.fused.bias).split(self.sizes, dim=-1)
+        version = _version(x)
+        self.pending = {i: (x, version, out) for i, out in enumerate(outputs) if i != index}
+        return outputs[index]
+
+
+def _version(x: torch.Tensor) -> int:
+    """x's version counter; inference tensors (`torch.inference_mode`, how fusionscope runs models) have none, and
+    cannot be written in place outside inference mode, so identity alone tells them apart there (-1)."""
+    return -1 if x.is_inference() else x._version
+
+
+def projection_forward(group: FusedProjections, index: int) -> Callable[..., torch.Tensor]:
+    """The forward of the group's `index`-th Linear: its slice of the group's one GEMM."""
+
+    def forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
+        return group.output(index, input)
+
+    return forward
+
+
+@torch.no_grad()
+def unfuse(linears: list[nn.Linear]) -> None:
+    """Give each Linear's weight and bias their own storage again, with the same values (a copy of their rows of the
+    fused tensor), then let the fused tensor go. The storage is re-allocated rather than the original kept through the
+    patch, because keeping the original alive beside the fused tensor would cost a full copy of these weights."""
+    for linear in linears:
+        linear.weight.data = linear.weight.data.clone()
+        if linear.bias is not None:
+            linear.bias.data = linear.bias.data.clone()
+
+
+def _refusal(patcher: Patcher, linears: list[nn.Module | None], names: tuple[str, ...]) -> str:
+    """Why these projections cannot share one GEMM ('' when they can)."""
+    for name, linear in zip(names, linears, strict=True):
+        if linear is None:
+            return f"it has no {name}"
+        if type(linear).forward is not nn.Linear.forward:
+            return f"its {name} is a {type(linear).__name__}, not a plain nn.Linear"
+        if "forward" in vars(linear) or patcher.forward_owner(linear) is not None:
+            return f"its {name}'s forward is already replaced ({patcher.forward_owner(linear) or 'outside'})"
+        if linear.weight.is_meta:
+            return f"its {name} has no weights yet (meta device)"
+    if len({id(linear.weight) for linear in linears}) != len(linears):
+        return "two of its projections share one weight"
+    return ""
+
+
+def patch_linears(patcher: Patcher, paths: list[str], key: str, names: tuple[str, ...]) -> dict[str, Support]:
+    """Fuse the Linears `names` under each module at `paths` into one GEMM (see `FusedProjections`).
+
+    Memory: `fuse_linears` concatenates the weights (and biases) and re-points each original Parameter (`.data`) at its
+    rows of the fused tensor, so the old storages are freed and the model holds one copy of these weights, as before
+    (peak: one extra copy of one group while it is built); on restore `unfuse` gives every Parameter its own storage
+    back. Where a weight is a view of a larger buffer (weights mapped from a file), that buffer stays alive and the
+    patch costs one copy of the group's weights."""
+    try:
+        from fusionscope.kernels import fuse_linears
+    except ImportError as error:
+        return {path: Support.no(f"fusionscope.kernels does not load here: {error}") for path in paths}
+    results = {}
+    for path in paths:
+        parent = patcher.module(path)
+        if parent is None:
+            results[path] = Support.no("the model has no module at this path")
+            continue
+        linears = [getattr(parent, name, None) for name in names]
+        reason = _refusal(patcher, linears, names)
+        if not reason:
+            try:
+                fused = fuse_linears(linears)
+            except ValueError as error:  # in_features, dtype, device or bias differ
+                reason = str(error)
+        if reason:
+            results[path] = Support.no(reason)
+            continue
+        patcher.on_restore(partial(unfuse, linears))
+        group = FusedProjections(fused, [linear.out_features for linear in linears])
+        for index, linear in enumerate(linears):
+            patcher.set_forward(linear, projection_forward(group, index), owner=key)
+        patcher.state.setdefault(key, {})[path] = group
+        results[path] = Support.yes()
+    return results
+
+
+def patch(patcher: Patcher, paths: list[str]) -> dict[str, Support]:
+    """q_proj, k_proj and v_proj of each attention module at `paths` → one GEMM (biases too: Qwen2). Models already
+    fused (Phi-3's qkv_proj) have no match and are never offered."""
+    return patch_linears(patcher, paths, KEY, ("q_proj", "k_proj", "v_proj"))

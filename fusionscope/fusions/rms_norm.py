@@ -10,11 +10,18 @@ in fp32), fused 2·s·N.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
+from fusionscope.apply.layers import NormSpec, NormState, NotPatchable, norm_spec
+from fusionscope.apply.patching import Support
 from fusionscope.fusions.base import Graph, Match, row_micro_case
 
 if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from fusionscope.apply.patching import Patcher
     from fusionscope.bench.cases import Case
 
 KEY = "rms_norm"
@@ -74,8 +81,20 @@ def _weight_prep(graph: Graph, node: int) -> set[int]:
 
 
 def is_residual_add(graph: Graph, node: int) -> bool:
-    """A tensor + tensor add outside the norm's own module: the decoder layer's residual connection."""
-    return graph.name.get(node) == "aten::add" and len(graph.producers(node)) == 2
+    """A tensor + tensor add of two activations, or of an activation and a model input — the residual connection
+    of a decoder layer, or of the first block of a hand-written stack that adds the model's input; not a bias add,
+    whose other operand is a parameter or buffer (`input_params`, see `fusionscope.dataflow`). A graph without that
+    column takes every leaf for a parameter."""
+    if graph.name.get(node) != "aten::add":
+        return False
+    produced, inputs = len(graph.producers(node)), graph.inputs.get(node, ())
+    if produced == 2:
+        return True
+    if produced != 1 or len(inputs) != 2:
+        return False
+    leaf = 0 if inputs[0] < 0 else 1
+    params = graph.column("input_params", ()).get(node) or ()
+    return leaf < len(params) and not params[leaf]
 
 
 def find(graph: Graph) -> list[Match]:
@@ -96,3 +115,42 @@ def micro_case(graph: Graph, match: Match) -> Case | None:
     from fusionscope.bench.cases import rms_norm_case
 
     return row_micro_case(graph, match, "aten::pow", rms_norm_case)
+
+
+def patch(patcher: Patcher, paths: list[str]) -> dict[str, Support]:
+    """Swap the forward of each RMSNorm instance at `paths` for one `fusionscope.kernels.rms_norm` call, cast as its
+    class casts (`fusionscope.apply.layers.NORMS`: ε attribute, Gemma's offset 1)."""
+    import fusionscope.kernels as kernels  # here, not at import: the catalogue stays importable without triton
+
+    result = {}
+    for path in paths:
+        try:
+            norm, spec = _site(patcher, path)
+        except NotPatchable as why:
+            result[path] = Support.no(str(why))
+            continue
+        patcher.set_forward(norm, _forward(spec, kernels), KEY)
+        result[path] = Support.yes()
+    return result
+
+
+def _site(patcher: Patcher, path: str) -> tuple[nn.Module, NormSpec]:
+    norm = patcher.module(path)
+    if norm is None:
+        raise NotPatchable(f"no module at {path!r}")
+    owner = patcher.forward_owner(norm)
+    if owner is not None:
+        raise NotPatchable(f"the forward of {type(norm).__name__} is already rewritten by the {owner} fusion")
+    shared: NormState | None = patcher.state.get("add_rms_norm")
+    if shared is not None and id(norm) in shared.fused:
+        raise NotPatchable("add_rms_norm already fuses this norm with the residual add before it")
+    return norm, norm_spec(norm)
+
+
+def _forward(spec: NormSpec, kernels: Any) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
+    eps_attr, offset = spec.eps_attr, spec.offset
+
+    def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        return kernels.rms_norm(hidden_states, self.weight, getattr(self, eps_attr), offset)
+
+    return forward

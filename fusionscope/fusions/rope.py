@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from fusionscope.apply.patching import Patcher, Support
 from fusionscope.fusions.base import Graph, Match
 
 if TYPE_CHECKING:
@@ -121,3 +122,20 @@ def micro_case(graph: Graph, match: Match) -> Case | None:
         return None
     (batch, heads, seq, half), kv_heads = shapes[0], shapes[-1][1]
     return rope_case(batch, seq, heads, kv_heads, 2 * half)
+
+
+def patch(patcher: Patcher, paths: list[str]) -> dict[str, Support]:
+    """Rewrite each attention module at `paths` (`model.layers.i.self_attn`) so that q and k are rotated by one
+    `fusionscope.kernels.rope` launch (`fusionscope.apply.attention`). The cache write is not fused: under a
+    DynamicCache it is a growing `torch.cat` that stays with the cache object; `rope_and_cache` needs a static cache
+    (`--graphs`). Attention forwards that differ from the Llama shape (Phi-3's fused qkv_proj, ...) are refused with
+    the statement that differs."""
+    from fusionscope.apply.attention import patch_rope
+
+    results = {}
+    for path in paths:
+        try:
+            results[path] = patch_rope(patcher, path, KEY)
+        except ImportError as error:
+            results[path] = Support.no(f"the rope kernel does not load here: {error}")
+    return results

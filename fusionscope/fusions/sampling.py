@@ -12,16 +12,24 @@ min-p, ...) or more than one draw per row rejects the group. Bytes per row of V 
 `kernels/sample.py`): unfused ≈ (s + 98)·V in ~13 launches, fused s·V + 8 (the row read once, one id written). The
 estimate is bytes-bound; the kernel itself is latency-bound at small batch (one program per row: slower than the
 unfused chain at B = 1 on an H200), which the estimate does not see.
+
+Patching (`patch`): the run's token picker, a `fusionscope.apply.sampler.Sampler` in `patcher.state["sampler"]`,
+gets a `pick` attribute that calls the kernel with the sampler's T, k, p and generator; a greedy run has none.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
+from fusionscope.apply.patching import Support
 from fusionscope.dataflow import METADATA_OPS
 from fusionscope.fusions.base import Graph, Match
 
 if TYPE_CHECKING:
+    import torch
+
+    from fusionscope.apply.patching import Patcher
     from fusionscope.bench.cases import Case
 
 KEY = "sampling"
@@ -104,3 +112,30 @@ def micro_case(graph: Graph, match: Match) -> Case | None:
     settings = {"temperature": scalar("aten::div", 1.0), "top_k": int(scalar("aten::topk", 0)),
                 "top_p": 1.0 - scalar("aten::le", 0.0)}  # fmt: skip
     return sample_case(shape[0], shape[1], settings)
+
+
+def patch(patcher: Patcher, paths: list[str]) -> dict[str, Support]:
+    """Swap the sampler's `pick` for the fused draw; one Support per path (the finder's anchor, "sampling")."""
+    sampler = patcher.state.get("sampler")
+    if sampler is None or getattr(sampler, "sampling", None) is None:
+        return {path: Support.no("greedy run: no sampling pipeline") for path in paths}
+    try:
+        from fusionscope.kernels import sample
+    except ImportError as error:
+        return {path: Support.no(f"the sample kernel does not load here: {error}") for path in paths}
+    patcher.set_attr(sampler, "pick", fused_pick(sampler, sample))
+    return {path: Support.yes() for path in paths}
+
+
+def fused_pick(
+    sampler: Any, sample: Callable[..., torch.Tensor]
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`pick(ids, last)` → (B, 1) int64: one draw per row of `last: (B, V)` from the sampler's Temperature → TopK →
+    TopP distribution, seeded from its generator (so `reset()` replays the same tokens). `ids` is the warpers'
+    argument, which the kernel does not need."""
+    temperature, top_k, top_p = float(sampler.temperature), int(sampler.top_k), float(sampler.top_p)
+
+    def pick(_ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        return sample(last, temperature, top_k, top_p, generator=sampler.generator).unsqueeze(1)
+
+    return pick

@@ -7,17 +7,21 @@ have to be written anyway (reported as escaping). Bytes per element of the inter
 
 from __future__ import annotations
 
-from functools import partial
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from functools import cache, partial
+from typing import TYPE_CHECKING, Any
 
+from fusionscope.apply.patching import Patcher, Support
 from fusionscope.fusions.base import Graph, Match, row_micro_case
 
 if TYPE_CHECKING:
+    import torch
+
     from fusionscope.bench.cases import Case
 
 KEY = "silu_and_mul"
 KERNEL = "silu_and_mul"
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 TITLE = "SiLU(gate) × up → one kernel"
 
 
@@ -41,3 +45,125 @@ def micro_case(graph: Graph, match: Match) -> Case | None:
     from fusionscope.bench.cases import glu_case
 
     return row_micro_case(graph, match, "aten::silu", partial(glu_case, KERNEL))
+
+
+# ------------------------------------------------------------------------------------------------------------ patch
+
+# The MLP forwards the patch rewrites, statement by statement ({x}: the forward's input parameter)
+LLAMA_MLP = ("down_proj = self.down_proj(self.act_fn(self.gate_proj({x})) * self.up_proj({x}))", "return down_proj")
+PHI3_MLP = ("up_states = self.gate_up_proj({x})", "gate, up_states = up_states.chunk(2, dim=-1)",
+            "up_states = up_states * self.activation_fn(gate)", "return self.down_proj(up_states)")  # fmt: skip
+
+# transformers.activations class name -> (fusion, F.gelu's approximate); PytorchGELUTanh is GELUTanh. NewGELU and the
+# `*_python` variants compute the same function in several rounded ops: the fused kernel rounds once, so their
+# outputs agree within the dtype's tolerance, not bit for bit.
+HF_ACTIVATIONS: dict[str, tuple[str, str]] = {
+    "SiLUActivation": ("silu_and_mul", ""),
+    "GELUTanh": ("gelu_and_mul", "tanh"),
+    "NewGELUActivation": ("gelu_and_mul", "tanh"),
+    "GELUActivation": ("gelu_and_mul", "none"),
+}
+
+
+def activation_of(act: object) -> tuple[str, str] | None:
+    """(fusion, approximate) for the MLP's activation module, by its exact class (a subclass may compute anything
+    else); None when no bundled GLU kernel computes it."""
+    from torch import nn
+
+    kind = type(act)
+    if kind is nn.SiLU:
+        return "silu_and_mul", ""
+    if kind is nn.GELU:
+        return "gelu_and_mul", act.approximate
+    if kind.__module__ == "transformers.activations":
+        return HF_ACTIVATIONS.get(kind.__name__)
+    return None
+
+
+@cache
+def mlp_layout(cls: type) -> tuple[str, str] | str:
+    """("llama" | "phi3", activation attribute) when the MLP class's forward is one the patch reproduces: Llama's
+    `down_proj(act_fn(gate_proj(x)) * up_proj(x))` or Phi-3's `gate_up_proj` → chunk → `up * act(gate)` →
+    `down_proj`; else the reason."""
+    from fusionscope.apply.attention import read_source, statement_key
+
+    source = read_source(cls.forward)
+    if source is None:
+        return f"the source of {cls.__name__}.forward cannot be read"
+    if len(source.params) != 2 or source.varargs or source.varkw or source.decorators:
+        return f"{cls.__name__}.forward takes ({', '.join(source.params)}), not one input"
+    statements = tuple(source.key(i) for i in range(len(source.statements)))
+    for layout, template, act in (("llama", LLAMA_MLP, "act_fn"), ("phi3", PHI3_MLP, "activation_fn")):
+        if statements == tuple(statement_key(s.format(x=source.params[1])) for s in template):
+            return layout, act
+    return f"{cls.__name__}.forward is neither Llama's gate/up/down MLP nor Phi-3's gate_up MLP"
+
+
+def glu_forward(layout: str, kernel: Callable[..., Any]) -> Callable[..., Any]:
+    """The MLP forward with `act(gate) * up` as one `kernel(gate, up)` launch (kernel: silu_and_mul or gelu_and_mul
+    with its `approximate` bound). The projections are called as modules, so the gate_up fusion's swap of them runs.
+    x: (..., hidden) -> (..., hidden)."""
+    if layout == "phi3":
+
+        def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+            return self.down_proj(kernel(self.gate_up_proj(x)))  # (..., 2·I), gate half first: up=None
+
+    else:
+
+        def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+            return self.down_proj(kernel(self.gate_proj(x), self.up_proj(x)))
+
+    return forward
+
+
+def glu_support(patcher: Patcher, path: str, fusion: str) -> tuple[str, str] | str:
+    """(layout, approximate) when the MLP at `path` can take `fusion`'s kernel; else the reason."""
+    from fusionscope.apply.attention import KERNEL_DTYPES
+
+    mlp = patcher.module(path)
+    if mlp is None:
+        return "the model has no module at this path"
+    if "forward" in vars(mlp) or patcher.forward_owner(mlp) is not None:
+        return f"this {type(mlp).__name__}'s forward is already replaced ({patcher.forward_owner(mlp) or 'outside'})"
+    layout = mlp_layout(type(mlp))
+    if isinstance(layout, str):
+        return layout
+    layout, act_name = layout
+    act = getattr(mlp, act_name, None)
+    kind = activation_of(act)
+    if kind is None:
+        return f"its activation {type(act).__name__} has no fused GLU kernel (silu, gelu tanh or exact only)"
+    if kind[0] != fusion:
+        return f"its activation {type(act).__name__} is {kind[0]}'s, not {fusion}'s"
+    first = mlp.gate_up_proj if layout == "phi3" else mlp.gate_proj
+    dtype = getattr(getattr(first, "weight", None), "dtype", None)
+    if dtype not in KERNEL_DTYPES:
+        return f"the {fusion} kernel takes fp32, fp16 or bf16 activations; the gate projection is {dtype}"
+    return layout, kind[1]
+
+
+def patch_glu(patcher: Patcher, paths: list[str], fusion: str) -> dict[str, Support]:
+    """Rewrite each MLP at `paths` (the finder's `model.layers.i.mlp`) to call `fusion`'s kernel; one Support each."""
+    try:
+        from fusionscope import kernels
+
+        kernel = getattr(kernels, fusion)
+    except ImportError as error:
+        return {path: Support.no(f"the {fusion} kernel does not load here: {error}") for path in paths}
+    results = {}
+    for path in paths:
+        found = glu_support(patcher, path, fusion)
+        if isinstance(found, str):
+            results[path] = Support.no(found)
+            continue
+        layout, approximate = found
+        bound = partial(kernel, approximate=approximate) if fusion == "gelu_and_mul" else kernel
+        patcher.set_forward(patcher.module(path), glu_forward(layout, bound), owner=fusion)
+        results[path] = Support.yes()
+    return results
+
+
+def patch(patcher: Patcher, paths: list[str]) -> dict[str, Support]:
+    """SwiGLU MLPs (SiLU activation) → `down_proj(silu_and_mul(gate_proj(x), up_proj(x)))`, Phi-3's fused
+    gate_up_proj → `down_proj(silu_and_mul(gate_up_proj(x)))`; any other activation is refused with its name."""
+    return patch_glu(patcher, paths, KEY)

@@ -35,6 +35,9 @@ h3 { font-size: 15px; font-weight: 600; margin: 0 0 6px; }
           border-left: 3px solid var(--accent); }
 .regime.host-bound { background: #fff4e5; border-color: #d97706; }
 .regime.gpu-bound { background: #e8f6f0; border-color: #1b9e77; }
+/* the colour follows what paces the step in the step model when the run has one, like the sentence's advice */
+.regime.paced-host { background: #fff4e5; border-color: #d97706; }
+.regime.paced-gpu { background: #e8f6f0; border-color: #1b9e77; }
 .note { color: var(--muted); font-size: 13px; margin: 6px 0 0; }
 .empty { padding: 40px 0; text-align: center; color: var(--muted); }
 .table-wrap { overflow-x: auto; }

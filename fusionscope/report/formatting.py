@@ -60,6 +60,18 @@ def fmt_pct(fraction: Any, digits: int = 0) -> str:
     return DASH if number is None else f"{number * 100:.{digits}f}%"
 
 
+def fmt_signed_pct(fraction: Any, digits: int = 1) -> str:
+    """Format a signed change as a percentage with its sign: ``-0.57`` → ``−57.0%`` (a typographic minus),
+    ``0.011`` → ``+1.1%``; a change that rounds to zero shows no sign; dash for null."""
+    number = as_float(fraction)
+    if number is None:
+        return DASH
+    text = f"{abs(number) * 100:.{digits}f}%"
+    if float(text[:-1]) == 0:
+        return text
+    return ("−" if number < 0 else "+") + text
+
+
 def fmt_unit(value: Any, unit: str, digits: int = 3) -> str:
     """Format a number followed by a unit; the unit is dropped when the value is missing so no ``— ms`` appears."""
     text = fmt_num(value, digits)

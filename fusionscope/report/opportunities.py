@@ -10,7 +10,8 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from fusionscope.report.formatting import text_or_dash
+from fusionscope.report.formatting import as_float, fmt_pct, fmt_signed_pct, text_or_dash
+from fusionscope.report.regime import PACER_WORDS, paced_by
 
 HEADERS = (("fusion", "fusion", False), ("phase", "phase", False), ("count", "per step", True),
            ("t_now_us", "µs now", True), ("t_fused_us", "µs fused", True), ("saved_us", "µs saved", True),
@@ -48,25 +49,50 @@ def opportunities_table(opportunities: Sequence[Mapping[str, Any]]) -> str:
 
 
 def waterfall_figure(phase: str, plan: Mapping[str, Any]) -> go.Figure | None:
-    """Cumulative wall-time speedup as each accepted fusion is added, then what a CUDA graph would remove."""
+    """Wall time per step as each accepted fusion is added, then what a CUDA graph would remove, and the sum.
+
+    Every bar is a share of the *unfused* step, so the bars add up: a fusion's bar is the step before it minus the
+    step after it (from the waterfall's cumulative speedups), the graph's bar its share of the fused step
+    (`cuda_graph_share`) times the fused step. Runs written before that share was taken on the fused step (no
+    `cuda_graph_share_unfused`) get no graph bar rather than a wrong one."""
     steps = list(plan.get("waterfall") or [])
     if not steps:
         return None
-    names, gains, previous = [], [], 1.0
+    names, changes, hover = [], [], []
+    level = 1.0  # the step so far, as a fraction of the unfused one
     for step in steps:
+        after = 1.0 / float(step["speedup_wall"])
         names.append(str(step["fusion"]))
-        gains.append(100 * (1 - previous / step["speedup_wall"]))
-        previous = step["speedup_wall"]
-    share = plan.get("cuda_graph_share")
-    if share is not None:
+        changes.append(after - level)
+        hover.append(f"{fmt_signed_pct(after - level)} of the unfused step; all so far {step['speedup_wall']:.3f}×")
+        level = after
+    share = as_float(plan.get("cuda_graph_share"))
+    if share is not None and "cuda_graph_share_unfused" in plan:
         names.append("then CUDA graph")
-        gains.append(100 * float(share))
-    fig = go.Figure(go.Waterfall(x=names, y=[-g for g in gains], measure=["relative"] * len(gains),
-                                 text=[f"−{g:.1f}%" for g in gains], textposition="outside"))  # fmt: skip
-    pacer = {"host-bound": "the host", "gpu-bound": "the GPU"}.get(str(plan.get("regime")))
-    title = f"{phase}: wall time saved per step, cumulative (%)"
-    if pacer:
-        title += f" — paced by {pacer} in the step model"
-    fig.update_layout(title=title, height=340, showlegend=False,
-                      yaxis_title="% of the step", margin={"t": 50, "b": 40, "l": 50, "r": 20})  # fmt: skip
+        changes.append(-share * level)
+        hover.append(f"removes {fmt_pct(share, 1)} of the fused step: {fmt_signed_pct(-share * level)} of the unfused")
+    total = sum(changes)
+    names.append("in all")
+    hover.append(f"{fmt_signed_pct(total)} of the unfused step")
+    fig = go.Figure(go.Waterfall(
+        x=names, y=[100 * c for c in changes] + [100 * total], measure=["relative"] * len(changes) + ["total"],
+        text=[fmt_signed_pct(c) for c in [*changes, total]], textposition="outside", hovertext=hover,
+        hoverinfo="x+text",
+    ))  # fmt: skip
+    fig.update_layout(title=f"{phase}: wall time per step, cumulative (% of the unfused step){_pace_note(plan, steps)}",
+                      height=340, showlegend=False, yaxis_title="% of the unfused step",
+                      margin={"t": 50, "b": 40, "l": 50, "r": 20})  # fmt: skip
     return fig
+
+
+def _pace_note(plan: Mapping[str, Any], steps: list[Mapping[str, Any]]) -> str:
+    """What paces the step in the step model (the name summary.json gives it: `paced_by`), or that the run is a CPU
+    run, for the figure's title."""
+    pacer = paced_by(plan)
+    if pacer is None:
+        return " — CPU run: the ops are the timeline" if all(s.get("speedup_gpu") is None for s in steps) else ""
+    note = f" — paced by {PACER_WORDS[pacer]} in the step model"
+    fused = plan.get("fused_paced_by")
+    if fused in PACER_WORDS and fused != pacer:
+        note += f", by {PACER_WORDS[fused]} once fused"
+    return note

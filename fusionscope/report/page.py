@@ -17,6 +17,7 @@ import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
 from . import assets
+from .apply import numerics_table, speedup_figure, timing_table, tolerance_table
 from .figures import module_treemap_figure, roofline_figure, time_breakdown_figure
 from .formatting import (
     DASH,
@@ -40,7 +41,7 @@ from .grouping import (
     time_per_step_by,
 )
 from .opportunities import opportunities_table, waterfall_figure
-from .regime import regime_sentence
+from .regime import PACER_WORDS, paced_by, regime_sentence
 from .table import top_kernels_table
 
 _PLOT_CONFIG = {"displaylogo": False, "responsive": True}
@@ -131,8 +132,13 @@ def _run_card(summary: Mapping[str, Any]) -> str:
     return f'<div class="card"><h3>Run</h3>{_dl(items)}</div>'
 
 
-def _phase_card(name: str, phase: Mapping[str, Any], device_kind: str) -> str:
-    """Per-phase headline numbers and the regime sentence that says which kind of fix to try first."""
+_REGIME_RULE = {"host-bound": " — the GPU busy under half of the step", "gpu-bound": " — the GPU busy half or more"}
+_PACER_RULE = {"host": " — host work ≥ GPU work per step", "gpu": " — GPU work > host work per step"}
+
+
+def _phase_card(name: str, phase: Mapping[str, Any], device_kind: str, plan: Mapping[str, Any]) -> str:
+    """Per-phase headline numbers, the measured regime and what paces the step in the step model (`plan`: the
+    phase's `cumulative` entry), and the sentence that says which kind of fix to try first."""
     wall = fmt_unit(phase.get("wall_ms_per_step"), "ms")
     unprofiled = as_float(phase.get("wall_ms_per_step_unprofiled"))
     if unprofiled is not None:
@@ -148,9 +154,17 @@ def _phase_card(name: str, phase: Mapping[str, Any], device_kind: str) -> str:
         ("aten ops per step", fmt_int(phase.get("ops_per_step"))),
         ("host µs per kernel", fmt_num(phase.get("host_us_per_kernel"))),
     ]
+    pacer = paced_by(plan)
+    if device_kind != "cpu":
+        items += [
+            ("regime (measured)", _esc(phase.get("regime")) + _REGIME_RULE.get(str(phase.get("regime")), "")),
+            ("paced by (step model)", DASH if pacer is None else PACER_WORDS[pacer] + _PACER_RULE[pacer]),
+        ]
     regime = phase.get("regime") if device_kind != "cpu" else "cpu"
     regime_class = html.escape(str(regime or "unknown"), quote=True)
-    sentence = html.escape(regime_sentence(name, dict(phase), device_kind), quote=False)
+    if pacer is not None and device_kind != "cpu":
+        regime_class += f" paced-{pacer}"
+    sentence = html.escape(regime_sentence(name, dict(phase), device_kind, plan), quote=False)
     return (
         f'<div class="card"><h3>{html.escape(name)}</h3>{_dl(items)}'
         f'<p class="regime {regime_class}">{sentence}</p></div>'
@@ -195,6 +209,32 @@ def _roofline_note(points: Any) -> str:
     return f'<p class="note">Not plotted: {"; ".join(parts)}.</p>'
 
 
+def _apply_sections(summary: Mapping[str, Any]) -> list[str]:
+    """The apply run's section (none for a profile run): numerics per fusion, tolerances, measured vs predicted."""
+    result = _mapping(summary.get("apply"))
+    if not result:
+        return []
+    fig = speedup_figure(result)
+    chart = _figure_html(fig, "fig-apply-speedups") if fig is not None else ""
+    return [
+        _section(
+            "Applied: numerics",
+            "Each fusion patched alone where the finder found it, then all passing fusions together; logits against "
+            "the unpatched model on the same inputs, and the unpatched model's own distance from an fp32 copy. A "
+            "fusion outside tolerance was rolled back and left out of what was measured.",
+            numerics_table(result) + tolerance_table(result),
+            "apply-numerics",
+        ),
+        _section(
+            "Applied: measured vs predicted",
+            "Medians of interleaved rounds (baseline and variants alternate, so the host's drift cancels in the "
+            "ratios); GPU time and kernels from one profiled pass per variant; error = measured ÷ predicted − 1.",
+            timing_table(result) + chart,
+            "apply-timing",
+        ),
+    ]
+
+
 def render_page(summary: Mapping[str, Any], kernels: pd.DataFrame | None) -> str:
     """Build the whole report document (see :func:`fusionscope.report.render_report`)."""
     summary = _mapping(summary)
@@ -208,13 +248,14 @@ def render_page(summary: Mapping[str, Any], kernels: pd.DataFrame | None) -> str
     by_phase = {str(name): part for name, part in frame.groupby("phase", sort=False)}
     empty_frame = frame.iloc[0:0]
 
+    plans = _mapping(summary.get("cumulative"))
     cards = [_run_card(summary)]
     time_panels, tree_panels, roof_panels, tables = [], [], [], []
     for name in phases:
         info = _mapping(phase_info.get(name))
         rows = by_phase.get(name, empty_frame)
         slug = slugs[name]
-        cards.append(_phase_card(name, info, device_kind))
+        cards.append(_phase_card(name, info, device_kind, _mapping(plans.get(name))))
 
         by_category = _mapping(info.get("time_by_category_us")) or time_per_step_by(rows, "category")
         by_class = _mapping(info.get("time_by_class_us")) or time_per_step_by(rows, "bound")
@@ -247,7 +288,7 @@ def render_page(summary: Mapping[str, Any], kernels: pd.DataFrame | None) -> str
         time_panels = tree_panels = roof_panels = tables = [no_data]
 
     waterfalls = []
-    for name, plan in _mapping(summary.get("cumulative")).items():
+    for name, plan in plans.items():
         fig = waterfall_figure(str(name), _mapping(plan))
         if fig is not None:
             waterfalls.append(_figure_html(fig, f"fig-waterfall-{slugs.get(name, name)}"))
@@ -287,6 +328,7 @@ def render_page(summary: Mapping[str, Any], kernels: pd.DataFrame | None) -> str
             opportunities_table(summary.get("opportunities") or []) + "".join(waterfalls),
             "opportunities",
         ),
+        *_apply_sections(summary),
         _section(
             "Top kernels",
             "The profiler's ranking with measured columns joined in; click a header to sort.",

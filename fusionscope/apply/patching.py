@@ -1,0 +1,228 @@
+"""Put bundled kernels into a model where the finder found them, and take them out again exactly.
+
+`patch(model, where)` is a context manager. `where` is what a run found — the opportunity dicts of a summary.json
+(`fusion` + `module_paths`) or `Match` objects — or a list of fusion names, in which case the finder is run on a short
+dataflow pass of the model itself. Each fusion module's `patch(patcher, paths)` turns its matches into changes of
+exactly those module instances and says, per path, `Support.yes()` or `Support.no(reason)`.
+
+Every change goes through a `Patcher`, which keeps an undo log: forwards are bound on the instance (never on a
+class), attributes are set on the instance, and everything is put back in reverse order on exit — so no transformers
+class and no module global is ever touched, and after the `with` block the model computes bit-for-bit what it did
+before.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from fusionscope.errors import UsageError
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Support:
+    """Whether a patch could be made at one site, and why not (a silent no-op is a bug in a measuring tool)."""
+
+    ok: bool
+    reason: str = ""
+
+    @staticmethod
+    def yes() -> Support:
+        return Support(True)
+
+    @staticmethod
+    def no(reason: str) -> Support:
+        return Support(False, reason)
+
+
+class Patcher:
+    """The undo log of one patch over one model: every change made to an instance and how to put it back.
+
+    `state` is scratch space a fusion's patches share while the patch is active (the carried residual of
+    add_rms_norm, the memo of a fused projection), keyed by the fusion's name."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.state: dict[str, Any] = {}
+        self._undo: list[Callable[[], None]] = []
+        self._forwards: dict[int, str] = {}  # id(module) -> fusion that rebound its forward
+
+    def module(self, path: str) -> nn.Module | None:
+        """The submodule at a qualified path ("" is the model itself); None when there is none."""
+        try:
+            return self.model.get_submodule(path) if path else self.model
+        except AttributeError:
+            return None
+
+    def set_attr(self, obj: Any, name: str, value: Any) -> None:
+        """Set `obj.name` on the instance; on restore, put back the old instance attribute or remove the new one."""
+        old = obj.__dict__.get(name, _MISSING) if hasattr(obj, "__dict__") else _MISSING
+        object.__setattr__(obj, name, value) if isinstance(obj, nn.Module) else setattr(obj, name, value)
+
+        def undo() -> None:
+            if old is _MISSING:
+                obj.__dict__.pop(name, None)
+            else:
+                object.__setattr__(obj, name, old) if isinstance(obj, nn.Module) else setattr(obj, name, old)
+
+        self._undo.append(undo)
+
+    def set_forward(self, module: nn.Module, forward: Callable[..., Any], owner: str) -> None:
+        """Bind `forward(module, *args, **kwargs)` as this instance's forward. Two fusions may not both rewrite
+        the same module's forward (they would silently undo each other): the second is a programming error."""
+        if id(module) in self._forwards:
+            raise RuntimeError(f"{owner} and {self._forwards[id(module)]} both rewrite {type(module).__name__}.forward")
+        self._forwards[id(module)] = owner
+        self.set_attr(module, "forward", types.MethodType(forward, module))
+
+    def forward_owner(self, module: nn.Module) -> str | None:
+        return self._forwards.get(id(module))
+
+    def on_restore(self, undo: Callable[[], None]) -> None:
+        self._undo.append(undo)
+
+    def restore(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+        self._forwards.clear()
+        self.state.clear()
+
+
+@dataclass
+class PatchResult:
+    """What a patch did: per fusion the module paths patched, and per fusion why the rest were not."""
+
+    applied: dict[str, list[str]] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)  # fusion -> reason (a site's path is named in it)
+    skipped_paths: dict[str, dict[str, str]] = field(default_factory=dict)  # fusion -> {path: reason}
+
+    def note(self, fusion: str, path: str, support: Support) -> None:
+        if support.ok:
+            self.applied.setdefault(fusion, []).append(path)
+        else:
+            self.skipped_paths.setdefault(fusion, {})[path] = support.reason
+
+    def finish(self) -> None:
+        for fusion, paths in self.skipped_paths.items():
+            reasons = sorted(set(paths.values()))
+            where = ", ".join(sorted(paths)[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+            self.skipped[fusion] = f"{'; '.join(reasons)} ({where or 'model'})"
+
+
+def sites_by_fusion(where: Iterable[Any]) -> dict[str, list[str]]:
+    """{fusion: module paths} from opportunity dicts, `Match` objects or (fusion, paths) pairs; order kept."""
+    sites: dict[str, list[str]] = {}
+    for item in where:
+        if isinstance(item, dict):
+            fusion, paths = item["fusion"], item.get("module_paths") or []
+        elif hasattr(item, "anchor_module"):
+            fusion, paths = item.fusion, [item.anchor_module]
+        else:
+            fusion, paths = item
+        if isinstance(paths, str):
+            paths = paths.split()
+        known = sites.setdefault(fusion, [])
+        known.extend(p for p in paths if p not in known)
+    return sites
+
+
+def fusion_modules() -> dict[str, types.ModuleType]:
+    from fusionscope.fusions import fusions
+
+    return {f.KEY: f for f in fusions()}
+
+
+def check_fusion_names(names: Iterable[str]) -> None:
+    """Unknown fusion names are a usage error naming the catalogue."""
+    known = fusion_modules()
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise UsageError(f"unknown fusion(s) {', '.join(unknown)}; the catalogue has {', '.join(known)}")
+
+
+@contextmanager
+def patch(model: nn.Module, where: Iterable[Any], only: Iterable[str] | None = None,
+          sampler: Any = None) -> Iterator[PatchResult]:  # fmt: skip
+    """Patch `model` at the sites in `where` (see the module docstring) for the fusions in `only` (default: every
+    fusion found); yield a `PatchResult`; restore the model on exit, also when the block raises.
+
+    `sampler`: the workload's token picker (`fusionscope.apply.sampler`), which the sampling fusion swaps."""
+    where = list(where)
+    if where and all(isinstance(w, str) for w in where):
+        check_fusion_names(where)
+        sites = {k: v for k, v in find_sites(model).items() if k in where}
+        for name in where:
+            sites.setdefault(name, [])
+    else:
+        sites = sites_by_fusion(where)
+    wanted = set(only) if only is not None else None
+    if wanted is not None:
+        check_fusion_names(wanted)
+    modules = fusion_modules()
+    no_kernels = kernels_unavailable(model)
+    patcher = Patcher(model)
+    patcher.state["sampler"] = sampler
+    result = PatchResult()
+    try:
+        for fusion in modules:  # catalogue order: patches that compose (a layer rewrite, then its parts) are stable
+            if fusion not in sites or (wanted is not None and fusion not in wanted):
+                continue
+            paths = sites[fusion]
+            module = modules[fusion]
+            if not paths:
+                result.note(fusion, "", Support.no("the finder found no match for it in this model"))
+            elif getattr(module, "KERNEL", None) is None and not hasattr(module, "patch"):
+                for path in paths:
+                    result.note(fusion, path, Support.no(getattr(module, "NO_PATCH", "no bundled kernel yet")))
+            elif not hasattr(module, "patch"):
+                for path in paths:
+                    result.note(fusion, path, Support.no("this fusion has no patcher yet"))
+            elif no_kernels and getattr(module, "KERNEL", None) is not None:
+                for path in paths:
+                    result.note(fusion, path, Support.no(no_kernels))
+            else:
+                for path, support in module.patch(patcher, list(paths)).items():
+                    result.note(fusion, path, support)
+        result.finish()
+        yield result
+    finally:
+        patcher.restore()
+
+
+def kernels_unavailable(model: nn.Module) -> str:
+    """Why the bundled Triton kernels cannot run on this model's device ('' when they can): a CUDA GPU, or a CPU with
+    the Triton interpreter chosen (TRITON_INTERPRET=1, before the kernels were imported)."""
+    import os
+
+    param = next(model.parameters(), None)
+    if param is None or param.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return ""
+    return f"the kernels need a CUDA device, or TRITON_INTERPRET=1 on a CPU; this model is on {param.device}"
+
+
+def find_sites(model: nn.Module, prompt_len: int = 4) -> dict[str, list[str]]:
+    """{fusion: module paths} found by the catalogue on a short dataflow pass of `model` (a causal LM: a prompt of
+    `prompt_len` random ids and one decode step). Used when `patch` is given fusion names instead of matches."""
+    from fusionscope import dataflow
+    from fusionscope.fusions import Graph, find_matches
+    from fusionscope.models import ModelSpec, Workload
+
+    param = next(model.parameters())
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "vocab_size"):
+        raise UsageError("patch by fusion name needs a causal LM with a config; pass the matches of a run instead")
+    ids = torch.randint(0, config.vocab_size, (1, prompt_len), device=param.device)
+    workload = Workload(spec=ModelSpec(name="patch", source="module"), module=model, device=param.device,
+                        dtype=param.dtype, phases=("prefill", "decode"), prompt_len=prompt_len, decode_steps=1,
+                        inputs=(ids,))  # fmt: skip
+    nodes = dataflow.record_dataflow(workload)
+    nodes = nodes.assign(op_id=-1)
+    return sites_by_fusion(m for m in find_matches(Graph(nodes)) if not m.rejected)

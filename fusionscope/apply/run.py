@@ -1,0 +1,545 @@
+"""`apply()`: profile (or read an earlier run's predictions), patch each fusion found alone and all together, check the
+numerics against the unpatched model and an fp32 copy, measure before and after, and set every measured speedup
+beside its prediction with the error. Writes one run folder: everything `profile` writes, plus `apply.csv` and
+`summary.json["apply"]`, and the report's apply section.
+
+Order of work, and why:
+1. Predictions come from a profile in this process (one model, one device, one host) or from `--from RUN_DIR`.
+2. Numerics first, per fusion alone: a fusion outside tolerance is rolled back (its patch is left) and reported as
+   failed with its figures; it is left out of everything measured after.
+3. Timing, interleaved round by round, in one set: the baseline, each passing fusion alone and "all found" (every
+   fusion that passed numerics: what applying blindly gives). "All together" is, per phase, all found less the
+   fusions that were clearly slower alone in that phase (`clearly_slower`; in an eager, host-bound decode a launch
+   that replaces two aten ops can lose while the same fusion pays in prefill); where it differs from all found it is
+   timed in a second set with its own baseline. One profiled pass per variant gives GPU time and kernels per step.
+4. On a CPU the kernels run in the Triton interpreter: numerics are checked, timing is not measured (it would time
+   the interpreter), and the run says so.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from fusionscope.errors import UsageError
+from fusionscope.run import Run, Settings, finish_run_folder, load_run, prepare, profile_stages, staged_dir
+
+BASELINE = "baseline"
+ALL_FOUND = "all found"
+ALL_TOGETHER = "all together"
+# The keys of a workload that an earlier run's predictions must share with this one (`--from`).
+MATCHING_KEYS = ("name", "dtype", "batch", "prompt_len", "decode_steps", "sampling")
+
+
+@dataclass
+class ApplyRun(Run):
+    """A finished apply run: the run folder, its summary (with `summary["apply"]`) and the per-variant table."""
+
+    outcomes: pd.DataFrame | None = None
+
+    @property
+    def apply(self) -> dict:
+        return self.summary.get("apply", {})
+
+
+def parse_fusions(fusions: str | list[str] | None) -> list[str] | None:
+    """`all` / None → None (every fusion found); `a,b` or a list → the names, checked against the catalogue."""
+    from fusionscope.apply.patching import check_fusion_names
+
+    if fusions is None or fusions == "all" or fusions == ["all"]:
+        return None
+    names = [n.strip() for n in (fusions.split(",") if isinstance(fusions, str) else fusions) if n.strip()]
+    if not names:
+        raise UsageError("--fusions needs fusion names (comma-separated) or 'all'")
+    check_fusion_names(names)
+    return names
+
+
+def apply(
+    model: str = "tiny-llama",
+    *,
+    fusions: str | list[str] | None = "all",
+    from_run: str | Path | None = None,
+    repeats: int = 3,
+    out: str | Path | None = None,
+    batch: int = 1,
+    prompt_len: int = 128,
+    decode_steps: int = 16,
+    dtype: str = "auto",
+    device: str = "auto",
+    warmup: int = 1,
+    remeasure: bool = False,
+    sample: bool = False,
+    temperature: float = 0.7,
+    top_k: int = 50,
+    top_p: float = 0.9,
+    on_stage: Callable[[str], None] | None = None,
+) -> ApplyRun:
+    """Profile MODEL (or take `from_run`'s predictions), patch the fusions found (`fusions`: "all", "a,b" or a list),
+    check numerics, measure `repeats` interleaved rounds, and write the run folder. Returns an `ApplyRun`."""
+    settings = Settings(
+        model, batch, prompt_len, decode_steps, dtype, device, warmup, remeasure, sample, temperature, top_k, top_p
+    )
+    wanted = parse_fusions(fusions)
+    if repeats < 1:
+        raise UsageError("--repeats must be ≥ 1")
+    note = on_stage or (lambda _msg: None)
+    t_start = time.perf_counter()
+    earlier = load_run(from_run) if from_run is not None else None
+    out_dir, spec, dev, torch_dtype = prepare(settings, out)
+    if dev.type == "cpu":
+        use_interpreter()
+    if earlier is not None:
+        check_same_workload(earlier.summary, spec.name, settings, str(torch_dtype).removeprefix("torch."), dev.type)
+    with staged_dir(out_dir) as tmp:
+        if earlier is None:
+            profiled = profile_stages(settings, spec, dev, torch_dtype, tmp, note, keep_workload=True)
+            summary, kernels, workload = profiled.summary, profiled.kernels, profiled.workload
+        else:
+            from fusionscope import models
+
+            note(f"taking the predictions of {earlier.out_dir}")
+            for name in ("trace.json.gz", "kernels.csv", "ops.csv", "opportunities.csv"):
+                if (earlier.out_dir / name).is_file():
+                    shutil.copy2(earlier.out_dir / name, tmp / name)
+            summary, kernels = dict(earlier.summary), earlier.kernels
+            summary["predictions_from"] = str(earlier.out_dir)
+            note(f"building {spec.name} on {dev.type} in {str(torch_dtype).removeprefix('torch.')}")
+            workload = models.build_workload(
+                spec,
+                dev,
+                torch_dtype,
+                batch=batch,
+                prompt_len=prompt_len,
+                decode_steps=decode_steps,
+                sampling=settings.sampling,
+            )
+        summary["apply"] = run_apply(workload, summary, wanted, repeats, tmp, note)
+        outcomes = pd.DataFrame(summary["apply"]["rows"])
+        outcomes.to_csv(tmp / "apply.csv", index=False, float_format="%.6g")
+        from fusionscope.run import command_line
+
+        summary["command"] = command_line() or summary.get("command", "")
+        finish_run_folder(tmp, summary, kernels, t_start, note)
+    return ApplyRun(out_dir=out_dir, summary=summary, kernels=kernels, outcomes=outcomes)
+
+
+def use_interpreter() -> None:
+    """On a CPU the Triton kernels run in the interpreter, which must be chosen before any kernel is defined."""
+    import os
+    import sys
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    if "fusionscope.kernels" in sys.modules:
+        raise UsageError("on a CPU the kernels need TRITON_INTERPRET=1, set before fusionscope.kernels is imported")
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def check_same_workload(earlier: dict, name: str, settings: Settings, dtype: str, device_kind: str) -> None:
+    """`--from RUN_DIR` must hold predictions for this model and workload; one line says what differs."""
+    model = earlier.get("model", {})
+    now = {
+        "name": name,
+        "dtype": dtype,
+        "batch": settings.batch,
+        "prompt_len": settings.prompt_len,
+        "decode_steps": settings.decode_steps,
+        "sampling": dict(zip(("temperature", "top_k", "top_p"), settings.sampling)) if settings.sampling else None,
+    }
+    if model.get("prompt_len") is None:  # a factory model: one forward phase, no prompt or decode steps
+        now.update(prompt_len=None, decode_steps=None)
+    diffs = [f"{k} {model.get(k)!r} there, {now[k]!r} here" for k in MATCHING_KEYS if model.get(k) != now[k]]
+    if earlier.get("device", {}).get("kind") != device_kind:
+        diffs.append(f"device {earlier.get('device', {}).get('kind')!r} there, {device_kind!r} here")
+    if diffs:
+        raise UsageError(f"--from run was made for another workload: {'; '.join(diffs)}")
+
+
+def sites_to_patch(opportunities: list[dict], wanted: list[str] | None) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """{fusion: module paths} over all phases for the fusions to apply, and {fusion: reason} for those left out
+    before patching (rejected by the finder, or asked for but not found)."""
+    from fusionscope.apply.patching import sites_by_fusion
+
+    usable = [o for o in opportunities if o.get("confidence") != "low"]
+    sites = sites_by_fusion(usable)
+    left_out = {
+        o["fusion"]: f"the finder rejected it: {o.get('reason')}"
+        for o in opportunities
+        if o.get("confidence") == "low" and o["fusion"] not in sites
+    }
+    if wanted is not None:
+        for name in wanted:
+            if name not in sites and name not in left_out:
+                left_out[name] = "the finder found no match for it in this model"
+        sites = {k: v for k, v in sites.items() if k in wanted}
+        left_out = {k: v for k, v in left_out.items() if k in wanted}
+    return sites, left_out
+
+
+def run_apply(
+    workload: Any, summary: dict, wanted: list[str] | None, repeats: int, tmp: Path, note: Callable[[str], None]
+) -> dict:
+    """The apply stages on a built workload; returns `summary["apply"]`."""
+    import torch
+
+    from fusionscope.apply import numerics
+    from fusionscope.apply.patching import patch
+    from fusionscope.apply.sampler import Sampler
+
+    sites, left_out = sites_to_patch(summary.get("opportunities", []), wanted)
+    if not sites:
+        why = "; ".join(f"{k}: {v}" for k, v in left_out.items()) or "the finder found no fusion"
+        raise UsageError(f"nothing to apply in {workload.spec.name}: {why}")
+    model = workload.module
+    sampler = Sampler(workload.sampling, workload.device)
+    forward_only = workload.phases == ("forward",)  # a factory model: its forward on its own inputs
+
+    def reference(of: Any) -> Any:
+        if forward_only:
+            return numerics.forward_reference(of, workload.inputs)
+        return numerics.reference(of, workload.inputs[0], workload.decode_steps)
+    dtype = workload.dtype
+    gpu = workload.device.type == "cuda"
+    real_weights = workload.spec.weights is not None  # random weights: near-flat distributions, top-1 not judged
+
+    def enter(fusions: list[str]) -> Any:
+        where = [{"fusion": f, "module_paths": sites[f]} for f in fusions]
+        return patch(model, where, sampler=sampler) if fusions else nullcontext(None)
+
+    note("numerics: the unpatched model, and an fp32 copy of it")
+    ref = reference(model)
+    if dtype == torch.float32:
+        ref32 = ref
+    else:
+        copy32 = numerics.fp32_copy(model)
+        ref32 = reference(copy32)
+        del copy32
+        if gpu:
+            torch.cuda.empty_cache()
+    eager_vs_fp32 = numerics.compare(ref, ref32)
+
+    fusion_rows: dict[str, dict] = {}
+    passing: list[str] = []
+    for fusion in sites:
+        note(f"numerics: {fusion} alone")
+        with enter([fusion]) as result:
+            applied = result.applied.get(fusion, [])
+            row = {
+                "fusion": fusion,
+                "sites_found": len(sites[fusion]),
+                "sites_patched": len(applied),
+                "applied": applied,
+                "skipped": result.skipped.get(fusion, ""),
+            }
+            if not applied:
+                row.update(status="skipped", reason=result.skipped.get(fusion, "nothing patched"))
+                fusion_rows[fusion] = row
+                continue
+            test = reference(model)
+        row["numerics"] = numerics.compare(test, ref)
+        row["numerics_vs_fp32"] = numerics.compare(test, ref32)
+        ok, why = numerics.judge(row["numerics"], row["numerics_vs_fp32"], eager_vs_fp32, dtype, real_weights)
+        row.update(status="passed" if ok else "failed", reason=why)
+        fusion_rows[fusion] = row
+        if ok:
+            passing.append(fusion)
+    if not any(row["sites_patched"] for row in fusion_rows.values()):
+        why = "; ".join(f"{k}: {v['reason']}" for k, v in fusion_rows.items())
+        raise UsageError(f"nothing could be patched in {workload.spec.name}: {why}")
+    for fusion, why in left_out.items():
+        fusion_rows[fusion] = {
+            "fusion": fusion,
+            "sites_found": 0,
+            "sites_patched": 0,
+            "applied": [],
+            "skipped": why,
+            "status": "skipped",
+            "reason": why,
+        }
+
+    together_numerics: dict[str, Any] = {}
+    if len(passing) > 1:
+        note("numerics: all passing fusions together")
+        with enter(passing):
+            test = reference(model)
+        fig, fig32 = numerics.compare(test, ref), numerics.compare(test, ref32)
+        ok, why = numerics.judge(fig, fig32, eager_vs_fp32, dtype, real_weights)
+        together_numerics = {
+            "fusions": list(passing),
+            "numerics": fig,
+            "numerics_vs_fp32": fig32,
+            "passed": ok,
+            "reason": why,
+        }
+
+    result = {
+        "fusions": list(fusion_rows.values()),
+        "eager_vs_fp32": eager_vs_fp32,
+        "tolerances": numerics.tolerance_table(),
+        "together_numerics": together_numerics,
+        "repeats": repeats,
+        "timing": None,
+        "timing_note": "",
+        "rows": [],
+    }
+    if not gpu:
+        result["timing_note"] = (
+            "not measured: on a CPU the kernels run in the Triton interpreter, so a timing "
+            "would measure the interpreter, not the kernels"
+        )
+        result["rows"] = numerics_rows(fusion_rows)
+        return result
+    if together_numerics and not together_numerics["passed"]:
+        note("all passing fusions together failed numerics: measuring each alone only")
+    result["timing"] = measure_variants(
+        workload,
+        summary,
+        passing,
+        enter,
+        sampler,
+        repeats,
+        tmp,
+        note,
+        together_ok=not together_numerics or together_numerics["passed"],
+    )
+    result["rows"] = variant_rows(result["timing"], fusion_rows)
+    return result
+
+
+def numerics_rows(fusion_rows: dict[str, dict]) -> list[dict]:
+    """apply.csv rows for a run without timing: one per fusion, its status and numerics."""
+    rows = []
+    for fusion, row in fusion_rows.items():
+        fig = row.get("numerics") or {}
+        rows.append(
+            {
+                "variant": fusion,
+                "phase": "",
+                "status": row["status"],
+                "sites_patched": row["sites_patched"],
+                "max_abs": fig.get("max_abs"),
+                "kl_mean": fig.get("kl_mean"),
+                "top1": fig.get("top1"),
+                "first_divergence": fig.get("first_divergence"),
+                "reason": row.get("reason", ""),
+            }
+        )
+    return rows
+
+
+def measure_variants(
+    workload: Any,
+    summary: dict,
+    passing: list[str],
+    enter: Callable[[list[str]], Any],
+    sampler: Any,
+    repeats: int,
+    tmp: Path,
+    note: Callable[[str], None],
+    together_ok: bool,
+) -> dict:
+    """Interleaved timing and one profiled pass per variant; per variant and phase the measured figures beside the
+    predicted ones, each ratio against the baseline of the same interleaved set.
+
+    The first set holds the baseline, each fusion alone and "all found" (every passing fusion), so the fusions alone
+    and together are compared under the same host drift. "All together" in a phase leaves out the fusions that were
+    slower alone there; when that differs from all found it is timed in a second set, again with its own baseline."""
+    from fusionscope.apply import measure
+
+    phases = [p for p in workload.phases if p in summary.get("phases", {})]
+    first = {BASELINE: [], **{f: [f] for f in passing}}
+    if together_ok and len(passing) > 1:
+        first[ALL_FOUND] = list(passing)
+    timed = _timed_set(workload, first, enter, sampler, repeats, note)
+    second: dict[str, list[str]] = {}
+    if ALL_FOUND in first:
+        for phase in phases:
+            chosen = [f for f in passing if not clearly_slower(timed[f], timed[BASELINE], phase)]
+            if chosen and chosen != passing and chosen not in second.values():
+                second[f"{ALL_TOGETHER} ({phase})"] = chosen
+    timed_second = _timed_set(workload, {BASELINE: [], **second}, enter, sampler, repeats, note) if second else {}
+    variants = {**first, **second}
+    gpu: dict[str, dict] = {}
+    for name, fusions in variants.items():
+        note(f"GPU time and kernels per step: profiling {name}")
+        with enter(fusions):
+            gpu[name] = measure.gpu_figures(workload, tmp, f".profile-{len(gpu)}", sampler)
+    out: dict[str, Any] = {"variants": {}, "sets": [list(first), [BASELINE, *second]] if second else [list(first)]}
+    for name, fusions in variants.items():
+        own = timed_second if name in second else timed
+        per_phase = {
+            phase: phase_figures(summary, phase, fusions, own[name], own[BASELINE], gpu[name].get(phase, {}),
+                                 gpu[BASELINE].get(phase, {}))
+            for phase in phases
+        }  # fmt: skip
+        label = ALL_TOGETHER if name == ALL_FOUND and not second else name
+        out["variants"][label] = {"fusions": fusions, "peak_mib": own[name].peak_mib, "phases": per_phase}
+    return out
+
+
+def clearly_slower(variant: Any, baseline: Any, phase: str) -> bool:
+    """Whether a fusion measured slower alone in `phase` beyond the host's noise: its median round is slower than the
+    baseline's median, and so is its fastest round. (On the H200 host a baseline's rounds spread by up to 60%; a
+    median alone would flip a fusion in or out from one run to the next.)"""
+    base, median, spread = baseline.wall(phase), variant.wall(phase), variant.spread(phase)
+    return bool(base and median and spread) and median > base and spread[0] > base
+
+
+def _timed_set(workload: Any, variants: dict[str, list[str]], enter: Callable[[list[str]], Any], sampler: Any,
+               repeats: int, note: Callable[[str], None]) -> dict:  # fmt: skip
+    from fusionscope.apply import measure
+
+    note(f"timing {len(variants)} variants × {repeats} interleaved rounds: {', '.join(variants)}")
+    return measure.interleaved(
+        workload,
+        measure.measured_variants(list(variants), lambda n: enter(variants[n])),
+        repeats,
+        sampler,
+        on_round=lambda r, n: note(f"round {r + 1}/{repeats}: {n}"),
+    )
+
+
+def predicted(summary: dict, phase: str, fusions: list[str]) -> dict[str, float | None]:
+    """The estimate for `fusions` applied together in `phase`: per-step savings summed over their opportunities and
+    put through the step model (one fusion alone: its own `speedup_*` figures)."""
+    from fusionscope import amdahl
+
+    rows = [o for o in summary.get("opportunities", []) if o["phase"] == phase and o["fusion"] in fusions]
+    if not rows:
+        return {"speedup_gpu": None, "speedup_wall": None, "saved_gpu_us": None}
+    saved = sum(r.get("saved_us") or 0.0 for r in rows)
+    model = amdahl.step_model(summary["phases"].get(phase, {}), summary.get("roofs", {}))
+    if model is None:  # a CPU run: the ops are the timeline, so the profiled step is their sum (as `profile` says)
+        wall = 1e3 * (summary["phases"].get(phase, {}).get("wall_ms_per_step") or 0.0)
+        return {"speedup_gpu": None, "speedup_wall": wall / max(wall - saved, 1e-9) if wall else None,
+                "saved_gpu_us": None}  # fmt: skip
+    ops = sum(r.get("ops_now") or 0.0 for r in rows)
+    launches = sum(r.get("launches_fused") or 0.0 for r in rows)
+    gain = amdahl.speedup(model, saved, ops, launches)
+    return {
+        "speedup_gpu": gain.gpu,
+        "speedup_wall": gain.wall,
+        "saved_gpu_us": saved,
+        "saved_host_us": gain.saved_host_us,
+        "paced_by": model.paced_by,
+        "ops_removed": ops,
+        "launches_added": launches,
+        "host_us_per_op": model.host_us_per_op,
+        "launch_us": model.launch_us,
+    }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def phase_figures(summary: dict, phase: str, fusions: list[str], m: Any, base: Any, gpu: dict, gpu_base: dict) -> dict:
+    """Measured vs predicted for one variant in one phase (wall from the interleaved rounds, GPU from the profiled
+    pass), with the error measured ÷ predicted − 1 and the step-model term that was further off."""
+    wall, wall_base = m.wall(phase), base.wall(phase)
+    row: dict[str, Any] = {
+        "wall_ms": wall,
+        "wall_ms_spread": m.spread(phase),
+        "baseline_wall_ms": wall_base,
+        "gpu_ms": gpu.get("gpu_ms"),
+        "baseline_gpu_ms": gpu_base.get("gpu_ms"),
+        "kernels": gpu.get("kernels"),
+        "baseline_kernels": gpu_base.get("kernels"),
+        "measured_speedup_wall": _ratio(wall_base, wall),
+        "measured_speedup_gpu": _ratio(gpu_base.get("gpu_ms"), gpu.get("gpu_ms")),
+    }
+    if not fusions:
+        return row
+    pred = predicted(summary, phase, fusions)
+    row.update(predicted_speedup_wall=pred["speedup_wall"], predicted_speedup_gpu=pred["speedup_gpu"])
+    for kind in ("wall", "gpu"):
+        meas, est = row[f"measured_speedup_{kind}"], row[f"predicted_speedup_{kind}"]
+        row[f"error_{kind}"] = meas / est - 1 if meas and est else None
+    if pred.get("saved_gpu_us") is not None and row["gpu_ms"] is not None and row["baseline_gpu_ms"] is not None:
+        row["predicted_saved_gpu_us"] = pred["saved_gpu_us"]
+        row["measured_saved_gpu_us"] = 1e3 * (row["baseline_gpu_ms"] - row["gpu_ms"])
+    if pred.get("saved_host_us") is not None and wall is not None and wall_base is not None:
+        row["predicted_saved_host_us"] = pred["saved_host_us"]
+        row["measured_saved_wall_us"] = 1e3 * (wall_base - wall)
+    row["term_off"] = term_off(row, pred.get("paced_by"))
+    implied = implied_launch_us(summary, phase, pred, wall, wall_base)
+    if implied is not None:
+        row["model_us_per_fused_launch"] = pred["launch_us"]
+        row["implied_us_per_fused_launch"] = implied
+    return row
+
+
+def implied_launch_us(summary: dict, phase: str, pred: dict, wall_ms: float | None,
+                      baseline_wall_ms: float | None) -> float | None:  # fmt: skip
+    """The host µs per fused launch that a measurement implies, to set beside the step model's (an empty Triton
+    launch). In a host-bound step, wall after = host before − ops removed × host cost per op + launches added × cost
+    per fused launch; the cost per op comes from the measured baseline of the same interleaved set. None where the
+    step is not host-paced or a figure is missing."""
+    if pred.get("paced_by") != "host" or not wall_ms or not baseline_wall_ms or not pred.get("launches_added"):
+        return None
+    per_op = 1e3 * baseline_wall_ms / max(float(summary["phases"][phase].get("ops_per_step") or 0.0), 1.0)
+    host_left = 1e3 * baseline_wall_ms - pred["ops_removed"] * per_op
+    return (1e3 * wall_ms - host_left) / pred["launches_added"]
+
+
+def term_off(row: dict, paced_by: str | None) -> str:
+    """Which term of the step model missed most: the GPU term (kernel time saved) or the host term (host work saved,
+    which sets a host-bound step's wall time). Empty when neither figure is there."""
+    misses = {}
+    if row.get("predicted_saved_gpu_us") is not None:
+        misses["gpu"] = abs(row["measured_saved_gpu_us"] - row["predicted_saved_gpu_us"])
+    if row.get("predicted_saved_host_us") is not None and paced_by == "host":
+        misses["host"] = abs(row["measured_saved_wall_us"] - row["predicted_saved_host_us"])
+    return max(misses, key=misses.get) if misses else ""
+
+
+def variant_rows(timing: dict, fusion_rows: dict[str, dict]) -> list[dict]:
+    """apply.csv: one row per variant and phase (status and numerics from the fusion rows where it is one fusion)."""
+    rows = []
+    for name, variant in timing["variants"].items():
+        fusion = fusion_rows.get(name, {})
+        fig = fusion.get("numerics") or {}
+        for phase, figures in variant["phases"].items():
+            rows.append(
+                {
+                    "variant": name,
+                    "phase": phase,
+                    "fusions": " ".join(variant["fusions"]),
+                    "status": fusion.get("status", "measured"),
+                    "sites_patched": fusion.get("sites_patched"),
+                    **{k: v for k, v in figures.items() if k != "wall_ms_spread"},
+                    "wall_ms_min": (figures.get("wall_ms_spread") or (None, None))[0],
+                    "wall_ms_max": (figures.get("wall_ms_spread") or (None, None))[1],
+                    "peak_mib": variant["peak_mib"],
+                    "max_abs": fig.get("max_abs"),
+                    "kl_mean": fig.get("kl_mean"),
+                    "top1": fig.get("top1"),
+                    "first_divergence": fig.get("first_divergence"),
+                }
+            )
+    for name, fusion in fusion_rows.items():
+        if name not in timing["variants"]:
+            fig = fusion.get("numerics") or {}
+            rows.append(
+                {
+                    "variant": name,
+                    "phase": "",
+                    "fusions": name,
+                    "status": fusion["status"],
+                    "sites_patched": fusion["sites_patched"],
+                    "max_abs": fig.get("max_abs"),
+                    "kl_mean": fig.get("kl_mean"),
+                    "top1": fig.get("top1"),
+                    "first_divergence": fig.get("first_divergence"),
+                    "reason": fusion.get("reason", ""),
+                }
+            )
+    return rows

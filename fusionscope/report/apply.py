@@ -1,0 +1,187 @@
+"""The report's apply section: where each fusion was patched and whether its numerics held, the tolerance table, and
+measured vs predicted per variant and phase (a table and one chart). Draws `summary["apply"]` as it is; computes
+nothing but the labels."""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Mapping
+from typing import Any
+
+import plotly.graph_objects as go
+
+from fusionscope.report.formatting import text_or_dash
+
+
+def _num(value: Any, spec: str) -> str:
+    return "—" if value is None or value != value else format(value, spec)
+
+
+def _pct(value: Any) -> str:
+    return "—" if value is None else f"{value * 100:+.0f}%"
+
+
+def _table(head: list[str], rows: list[list[str]], table_id: str) -> str:
+    cols = "".join(f'<th scope="col">{html.escape(h)}</th>' for h in head)
+    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
+    return (
+        f'<div class="table-wrap"><table id="{table_id}"><thead><tr>{cols}</tr></thead>'
+        f"<tbody>{body}</tbody></table></div>"
+    )
+
+
+def numerics_table(result: Mapping[str, Any]) -> str:
+    """One row per fusion (and the unpatched model against fp32): sites patched, status, the logit figures."""
+    head = [
+        "fusion",
+        "sites patched",
+        "status",
+        "max |Δ|",
+        "max rel",
+        "KL",
+        "top-1",
+        "top-5",
+        "first diff",
+        "vs fp32: max |Δ|",
+        "vs fp32: KL",
+        "reason",
+    ]
+    eager = result.get("eager_vs_fp32") or {}
+    rows = [
+        [
+            "(eager vs fp32)",
+            "",
+            "",
+            _num(eager.get("max_abs"), ".3g"),
+            _num(eager.get("max_rel"), ".3g"),
+            _num(eager.get("kl_mean"), ".2g"),
+            _num(eager.get("top1"), ".3f"),
+            _num(eager.get("top5"), ".3f"),
+            _num(eager.get("first_divergence"), "d"),
+            "",
+            "",
+            "the unpatched model's own distance from fp32",
+        ]
+    ]
+    for row in result.get("fusions", []):
+        fig, fig32 = row.get("numerics") or {}, row.get("numerics_vs_fp32") or {}
+        where = "".join(f"<li>{html.escape(p)}</li>" for p in row.get("applied") or [])
+        sites = f"{row.get('sites_patched')}/{row.get('sites_found')}"
+        if where:
+            sites = f"<details><summary>{sites}</summary><ul>{where}</ul></details>"
+        rows.append(
+            [
+                html.escape(row["fusion"]),
+                sites,
+                html.escape(row.get("status", "")),
+                _num(fig.get("max_abs"), ".3g"),
+                _num(fig.get("max_rel"), ".3g"),
+                _num(fig.get("kl_mean"), ".2g"),
+                _num(fig.get("top1"), ".3f"),
+                _num(fig.get("top5"), ".3f"),
+                _num(fig.get("first_divergence"), "d"),
+                _num(fig32.get("max_abs"), ".3g"),
+                _num(fig32.get("kl_mean"), ".2g"),
+                html.escape(text_or_dash(row.get("reason") or row.get("skipped"))),
+            ]
+        )
+    together = result.get("together_numerics") or {}
+    if together:
+        fig = together.get("numerics") or {}
+        rows.append(
+            [
+                "all passing together",
+                html.escape(", ".join(together.get("fusions", []))),
+                "passed" if together.get("passed") else "failed",
+                _num(fig.get("max_abs"), ".3g"),
+                _num(fig.get("max_rel"), ".3g"),
+                _num(fig.get("kl_mean"), ".2g"),
+                _num(fig.get("top1"), ".3f"),
+                _num(fig.get("top5"), ".3f"),
+                _num(fig.get("first_divergence"), "d"),
+                _num((together.get("numerics_vs_fp32") or {}).get("max_abs"), ".3g"),
+                _num((together.get("numerics_vs_fp32") or {}).get("kl_mean"), ".2g"),
+                html.escape(text_or_dash(together.get("reason"))),
+            ]
+        )
+    return _table(head, rows, "table-apply-numerics")
+
+
+def tolerance_table(result: Mapping[str, Any]) -> str:
+    """The numerics tolerances per dtype (rows of `numerics.tolerance_table()`), as the judge applied them."""
+    rows = list(result.get("tolerances") or [])
+    if not rows:
+        return ""
+    keys = [k for k in rows[0] if k != "dtype"]
+    body = [[html.escape(str(r.get("dtype"))), *(html.escape(text_or_dash(r.get(k))) for k in keys)] for r in rows]
+    return "<h3>Tolerances</h3>" + _table(["dtype", *keys], body, "table-apply-tolerances")
+
+
+def timing_table(result: Mapping[str, Any]) -> str:
+    timing = result.get("timing")
+    if not timing:
+        return f'<p class="note">Timing {html.escape(text_or_dash(result.get("timing_note")))}.</p>'
+    head = [
+        "variant",
+        "phase",
+        "wall ms",
+        "spread",
+        "wall × measured",
+        "wall × predicted",
+        "error",
+        "GPU ms",
+        "GPU × measured",
+        "GPU × predicted",
+        "error",
+        "kernels",
+        "peak MiB",
+        "term off",
+    ]
+    rows = []
+    for name, variant in timing.get("variants", {}).items():
+        for phase, f in variant.get("phases", {}).items():
+            spread = f.get("wall_ms_spread")
+            rows.append(
+                [
+                    html.escape(name),
+                    html.escape(phase),
+                    _num(f.get("wall_ms"), ".2f"),
+                    f"{spread[0]:.2f}–{spread[1]:.2f}" if spread else "—",
+                    _num(f.get("measured_speedup_wall"), ".3f"),
+                    _num(f.get("predicted_speedup_wall"), ".3f"),
+                    _pct(f.get("error_wall")),
+                    _num(f.get("gpu_ms"), ".2f"),
+                    _num(f.get("measured_speedup_gpu"), ".3f"),
+                    _num(f.get("predicted_speedup_gpu"), ".3f"),
+                    _pct(f.get("error_gpu")),
+                    _num(f.get("kernels"), ".0f"),
+                    _num(variant.get("peak_mib"), ".0f"),
+                    html.escape(f.get("term_off") or ""),
+                ]
+            )
+    return _table(head, rows, "table-apply-timing")
+
+
+def speedup_figure(result: Mapping[str, Any]) -> go.Figure | None:
+    """Measured and predicted wall speedups side by side, one pair of bars per variant and phase."""
+    timing = result.get("timing") or {}
+    labels, measured, predicted = [], [], []
+    for name, variant in timing.get("variants", {}).items():
+        for phase, f in variant.get("phases", {}).items():
+            if not variant.get("fusions"):
+                continue
+            labels.append(f"{name} · {phase}")
+            measured.append(f.get("measured_speedup_wall"))
+            predicted.append(f.get("predicted_speedup_wall"))
+    if not labels:
+        return None
+    fig = go.Figure([go.Bar(name="measured", x=labels, y=measured), go.Bar(name="predicted", x=labels, y=predicted)])
+    fig.add_hline(y=1.0, line_dash="dot")
+    fig.update_layout(
+        title="wall-time speedup per step: measured vs predicted",
+        barmode="group",
+        height=380,
+        yaxis_title="× the unpatched model",
+        margin={"t": 50, "b": 120, "l": 50, "r": 20},
+    )
+    return fig

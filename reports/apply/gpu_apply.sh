@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The GPU evidence for `fusionscope apply`: run on the H200 from the repository root with
+#   source .gpu/boot.sh && bash reports/apply/gpu_apply.sh "$OUT" SET
+# SET picks the runs, comma-separated (each a `fusionscope apply` command line, bf16): see the case list below. Each run's terminal
+# output, summary.json, apply.csv and opportunities.csv (and report.html for the first run of a set) are packed into
+# $OUT/apply-<SET>.tgz as they finish, so a call stopped at its time limit still returns what was done.
+set -uo pipefail
+out=${1:?usage: gpu_apply.sh OUT_DIR SET}
+set_name=${2:?usage: gpu_apply.sh OUT_DIR SET}
+work=$(mktemp -d)
+log=$out/gpu_apply_${set_name//,/-}.log
+exec > >(tee "$log") 2>&1
+echo "date: $(date -u +%FT%TZ)"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
+python3 -c 'import torch, triton, transformers, pandas; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, "pandas", pandas.__version__)'
+
+runs=()
+for one in ${set_name//,/ }; do
+  case $one in
+    smoke) runs+=("tiny-llama --prompt-len 64 --decode-steps 8 --repeats 2"
+                  "llama-3.2-1b --prompt-len 128 --decode-steps 16 --repeats 2") ;;
+    llama8b) runs+=("llama-3.1-8b --prompt-len 512 --decode-steps 32 --repeats 3") ;;
+    prefill8) runs+=("llama-3.1-8b --batch 8 --prompt-len 512 --decode-steps 0 --repeats 3") ;;
+    small) runs+=("gpt2 --prompt-len 512 --decode-steps 32 --repeats 3"
+                  "gemma-2-2b --prompt-len 512 --decode-steps 32 --repeats 3") ;;
+    large) runs+=("qwen2.5-7b --prompt-len 512 --decode-steps 32 --repeats 3"
+                  "mistral-7b --prompt-len 512 --decode-steps 32 --repeats 3") ;;
+    tests|host) ;;
+    *) echo "unknown set $one"; exit 2 ;;
+  esac
+done
+
+if [[ ",$set_name," == *",tests,"* ]]; then
+  # The patch tests compiled on the GPU (CUDA tensors, no interpreter), from a copy holding only tests/, so the
+  # installed fusionscope is the one tested.
+  tests=$(mktemp -d)
+  cp -r tests "$tests/"
+  (cd "$tests" && timeout 240 python3 -m pytest tests/test_patch_norms.py tests/test_patch_mlp_attention.py \
+     tests/test_patch_gpt2_sampling.py -q -p no:cacheprovider -o pythonpath=. -x) > "$out/pytest_patch.log" 2>&1
+  echo "patch tests rc=$?"; tail -5 "$out/pytest_patch.log"
+fi
+
+if [[ ",$set_name," == *",host,"* ]]; then
+  # Where a patched eager decode step spends its host time (cProfile per variant), for the note on prediction misses.
+  (cd "$work" && timeout 200 python3 "$OLDPWD/reports/apply/host_breakdown.py" "$out/host_breakdown.json") 2>&1 | tail -60
+fi
+
+pack() {
+  (cd "$work" && find . -maxdepth 2 \( -name summary.json -o -name apply.csv -o -name opportunities.csv \
+     -o -name '*.log' -o -name report.html \) -print0 | tar czf "$out/apply-${set_name//,/-}.tgz" --null -T -)
+}
+first=1
+for run in "${runs[@]}"; do
+  name=${run%% *}
+  tag="$name$(echo "${run#* }" | grep -o -- '--batch [0-9]*' | tr -d ' -')"
+  folder=$work/$tag
+  echo "=== fusionscope apply $run"
+  t0=$(date +%s.%N)
+  # From the work folder, not the checkout: there `python3 -m fusionscope` would import the source tree, which lacks
+  # the installed `fusionscope.kernels` mapping.
+  (cd "$work" && COLUMNS=200 timeout 540 python3 -m fusionscope apply $run --out "$folder") 2>&1 | tee "$work/$tag.log"
+  echo "WALL $tag $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s"
+  [ $first = 1 ] || rm -f "$folder/report.html"
+  first=0
+  pack
+done
+ls -la "$out"

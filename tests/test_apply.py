@@ -1,0 +1,213 @@
+"""`fusionscope apply` end to end on the CPU (kernels in the Triton interpreter): the run folder, the numerics per
+fusion, rollback of a fusion that fails on purpose, skipped-with-reason, `--from`, and the bad inputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import fusionscope
+from fusionscope.cli import app
+from fusionscope.errors import UsageError
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+WORKLOAD = dict(prompt_len=8, decode_steps=2, warmup=0, repeats=1)
+
+
+@pytest.fixture(scope="module")
+def applied(tmp_path_factory: pytest.TempPathFactory) -> fusionscope.run.Run:
+    out = tmp_path_factory.mktemp("apply") / "tiny"
+    return fusionscope.apply("tiny-llama", out=out, **WORKLOAD)
+
+
+def test_apply_writes_profile_files_and_apply_results(applied) -> None:
+    names = {p.name for p in applied.out_dir.iterdir()}
+    assert {"trace.json.gz", "kernels.csv", "ops.csv", "opportunities.csv", "summary.json", "report.html",
+            "apply.csv"} <= names  # fmt: skip
+    assert not [n for n in names if n.endswith(".partial") or n.startswith(".profile")]
+    summary = json.loads((applied.out_dir / "summary.json").read_text())
+    assert summary["apply"]["timing"] is None and "interpreter" in summary["apply"]["timing_note"]
+    html = (applied.out_dir / "report.html").read_text()
+    assert 'id="apply-numerics"' in html and "table-apply-numerics" in html
+
+
+def test_every_found_fusion_is_patched_or_says_why(applied) -> None:
+    rows = {row["fusion"]: row for row in applied.apply["fusions"]}
+    found = {o["fusion"] for o in applied.summary["opportunities"]}
+    assert found <= set(rows)
+    for row in rows.values():
+        assert row["status"] in ("passed", "failed", "skipped")
+        if row["status"] == "skipped":
+            assert row["reason"]
+        else:
+            assert row["sites_patched"] >= 1 and row["numerics"]["top1"] is not None
+    # the 2·L add_rms_norm sites of a 2-layer Llama, all patched, and passing in fp32
+    assert rows["add_rms_norm"]["sites_patched"] == rows["add_rms_norm"]["sites_found"] == 4
+    assert rows["add_rms_norm"]["status"] == "passed"
+    assert applied.apply["eager_vs_fp32"]["max_abs"] == 0.0  # an fp32 run is its own fp32 reference
+
+
+def test_model_is_restored_after_apply(tmp_path) -> None:
+    """The same process can apply twice: nothing of the first patch is left on the model or its classes."""
+    from transformers.models.llama import modeling_llama
+
+    before = {name: dict(vars(cls)) for name, cls in vars(modeling_llama).items() if isinstance(cls, type)}
+    fusionscope.apply("tiny-llama", out=tmp_path / "a", fusions="rms_norm,add_rms_norm", **WORKLOAD)
+    after = {name: dict(vars(cls)) for name, cls in vars(modeling_llama).items() if isinstance(cls, type)}
+    assert before == after
+
+
+def test_a_fusion_that_breaks_the_logits_is_rolled_back(tmp_path, monkeypatch) -> None:
+    import fusionscope.kernels as kernels
+
+    real = kernels.silu_and_mul
+
+    def broken(gate: torch.Tensor, up: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        return real(gate, up) * 1.5
+
+    monkeypatch.setattr(kernels, "silu_and_mul", broken)
+    run = fusionscope.apply("tiny-llama", out=tmp_path / "r", fusions="silu_and_mul,rms_norm", **WORKLOAD)
+    rows = {row["fusion"]: row for row in run.apply["fusions"]}
+    assert rows["silu_and_mul"]["status"] == "failed"
+    assert rows["silu_and_mul"]["reason"]
+    assert rows["rms_norm"]["status"] == "passed"
+    assert not run.apply["together_numerics"]  # one passing fusion: nothing to put together
+
+
+def test_unknown_fusion_is_one_line_and_writes_nothing(tmp_path) -> None:
+    result = CliRunner().invoke(app, ["apply", "--fusions", "nope", "--out", str(tmp_path / "x")])
+    assert result.exit_code == 2
+    assert "unknown fusion(s) nope" in result.output
+    assert not (tmp_path / "x").exists()
+
+
+def test_fusion_without_a_kernel_is_skipped_with_reason(tmp_path) -> None:
+    run = fusionscope.apply("tiny-llama", out=tmp_path / "d", fusions="dequant_gemm,rms_norm", **WORKLOAD)
+    rows = {row["fusion"]: row for row in run.apply["fusions"]}
+    assert rows["dequant_gemm"]["status"] == "skipped" and "no match" in rows["dequant_gemm"]["reason"]
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with fusionscope.patch(model, [{"fusion": "dequant_gemm", "module_paths": ["0"]}]) as p:
+        assert not p.applied
+        assert "kernel" in p.skipped["dequant_gemm"]
+
+
+def test_nothing_to_apply_is_a_usage_error(tmp_path) -> None:
+    with pytest.raises(UsageError, match="nothing to apply"):
+        fusionscope.apply("tiny-llama", out=tmp_path / "n", fusions="dequant_gemm", **WORKLOAD)
+    assert not (tmp_path / "n").exists()
+    assert not list(tmp_path.iterdir())
+
+
+def test_from_an_earlier_run(applied, tmp_path) -> None:
+    run = fusionscope.apply("tiny-llama", out=tmp_path / "f", from_run=applied.out_dir, fusions="rms_norm",
+                            **WORKLOAD)  # fmt: skip
+    assert run.summary["predictions_from"] == str(applied.out_dir)
+    assert (run.out_dir / "trace.json.gz").is_file()
+    result = CliRunner().invoke(app, ["apply", "--from", str(applied.out_dir), "--prompt-len", "9",
+                                      "--decode-steps", "2", "--out", str(tmp_path / "g")])  # fmt: skip
+    assert result.exit_code == 2
+    assert "prompt_len 8 there, 9 here" in result.output
+    assert not (tmp_path / "g").exists()
+
+
+def test_patch_by_fusion_name_on_a_model_of_your_own() -> None:
+    from fusionscope.models import build_workload, resolve_model
+
+    workload = build_workload(resolve_model("tiny-llama"), torch.device("cpu"), torch.float32, prompt_len=4,
+                              decode_steps=1)  # fmt: skip
+    model = workload.module
+    ids = torch.randint(0, 1000, (1, 5))
+    with torch.inference_mode():
+        before = model(ids).logits
+        with fusionscope.patch(model, ["rms_norm", "add_rms_norm", "dequant_gemm"]) as p:
+            patched = model(ids).logits
+        after = model(ids).logits
+    assert p.applied["rms_norm"] == ["model.layers.0.input_layernorm"]
+    assert len(p.applied["add_rms_norm"]) == 4
+    assert "dequant_gemm" in p.skipped
+    assert torch.equal(before, after)
+    torch.testing.assert_close(patched, before, atol=1e-4, rtol=1e-4)
+
+
+def test_the_timing_path_runs_and_sets_every_measured_figure_beside_its_prediction(applied, tmp_path) -> None:
+    """`apply` times only on a GPU; the same code path is driven here on the CPU (interpreter timings, meaningless as
+    figures) so that its bookkeeping is checked: one interleaved set, all found labelled all together, every ratio
+    against the baseline of its own set, predictions beside measurements."""
+    from contextlib import nullcontext
+
+    from fusionscope.apply.patching import patch
+    from fusionscope.apply.run import measure_variants, sites_to_patch
+    from fusionscope.models import build_workload, resolve_model
+
+    workload = build_workload(resolve_model("tiny-llama"), torch.device("cpu"), torch.float32, prompt_len=8,
+                              decode_steps=2)  # fmt: skip
+    sites, _ = sites_to_patch(applied.summary["opportunities"], ["rms_norm", "silu_and_mul"])
+
+    def enter(fusions: list[str]):
+        where = [{"fusion": f, "module_paths": sites[f]} for f in fusions]
+        return patch(workload.module, where) if fusions else nullcontext()
+
+    timing = measure_variants(workload, applied.summary, ["rms_norm", "silu_and_mul"], enter, None, 2, tmp_path,
+                              lambda _m: None, together_ok=True)  # fmt: skip
+    assert list(timing["variants"]) == ["baseline", "rms_norm", "silu_and_mul", "all together"]
+    assert timing["sets"][0] == ["baseline", "rms_norm", "silu_and_mul", "all found"]
+    for name, variant in timing["variants"].items():
+        for phase in ("prefill", "decode"):
+            f = variant["phases"][phase]
+            assert f["wall_ms"] > 0 and f["baseline_wall_ms"] > 0
+            assert f["measured_speedup_wall"] == pytest.approx(f["baseline_wall_ms"] / f["wall_ms"])
+            if name != "baseline":
+                assert f["predicted_speedup_wall"] is not None
+                assert f["error_wall"] == pytest.approx(f["measured_speedup_wall"] / f["predicted_speedup_wall"] - 1)
+    assert not list(tmp_path.iterdir())  # the profiled passes' traces are removed
+
+
+FACTORY = '''
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+
+def tiny_llama(device="cpu", dtype=torch.float32):
+    config = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype)
+    return model, {"input_ids": torch.randint(0, 128, (2, 7), device=device)}
+'''
+
+
+def test_apply_on_a_factory_model_checks_its_forward(tmp_path) -> None:
+    """A factory's module is patched where the finder found its fusions, and its forward's output is the logits the
+    numerics compare (one forward phase, no decode)."""
+    factory = tmp_path / "factory.py"
+    factory.write_text(FACTORY)
+    run = fusionscope.apply(f"{factory}:tiny_llama", out=tmp_path / "run", warmup=0, repeats=1)
+    rows = {row["fusion"]: row for row in run.apply["fusions"]}
+    assert rows["add_rms_norm"]["status"] == "passed" and rows["add_rms_norm"]["sites_patched"] == 4
+    assert rows["silu_and_mul"]["status"] == "passed"
+    assert rows["add_rms_norm"]["numerics"]["positions"] == 14  # 2 sequences × 7 positions, no decode
+
+
+def test_a_factory_where_nothing_can_be_patched_is_one_line(tmp_path) -> None:
+    result = CliRunner().invoke(app, ["apply", f"{EXAMPLES / 'custom_factory.py'}:make_mlp", "--warmup", "0",
+                                      "--repeats", "1", "--out", str(tmp_path / "x")])  # fmt: skip
+    assert result.exit_code == 2
+    assert "nothing could be patched" in result.output and "silu_and_mul" in result.output
+    assert not (tmp_path / "x").exists()
+
+
+def test_apply_on_a_local_config_folder(tmp_path) -> None:
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    config = dict(model_type="qwen2", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    run = fusionscope.apply(str(folder), out=tmp_path / "run", **WORKLOAD)
+    rows = {row["fusion"]: row for row in run.apply["fusions"]}
+    assert run.summary["model"]["family"] == "qwen2"
+    assert rows["qkv"]["status"] == "passed"  # q/k/v with biases: one GEMM over the concatenated weights and biases
+    assert rows["add_rms_norm"]["sites_patched"] == 4
