@@ -6,10 +6,10 @@ Expected mistakes (`UsageError`) end as one line on stderr and exit status 2, ne
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console, ConsoleDimensions
@@ -79,51 +79,57 @@ class StageLog:
             self.status.update(f"{message}…")
 
 
+# The workload options `profile` and `apply` share: one definition each, so the two commands cannot drift apart.
+ModelArg = Annotated[str, typer.Argument(help="preset name, Hugging Face folder, or path/to/file.py:factory")]
+OutOpt = Annotated[Path | None, typer.Option("--out", help="run folder to create (must not exist)")]
+BatchOpt = Annotated[int, typer.Option(help="sequences per step")]
+PromptOpt = Annotated[int, typer.Option(help="prompt tokens (prefill length)")]
+DecodeOpt = Annotated[int, typer.Option(help="decode steps (one new token each); 0: prefill only")]
+DtypeOpt = Annotated[str, typer.Option(help="auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32")]
+DeviceOpt = Annotated[str, typer.Option(help="auto, cpu or cuda")]
+WarmupOpt = Annotated[int, typer.Option(help="unrecorded passes over the exact timed lengths")]
+RemeasureOpt = Annotated[bool, typer.Option(help="measure the device's roofs again instead of using the cache")]
+SampleOpt = Annotated[
+    bool, typer.Option("--sample/--greedy", help="pick tokens as generate(do_sample=True) does, or by argmax")
+]
+TemperatureOpt = Annotated[float, typer.Option(help="--sample: logits divided by this")]
+TopKOpt = Annotated[int, typer.Option(help="--sample: keep the k most likely tokens")]
+TopPOpt = Annotated[float, typer.Option(help="--sample: keep the smallest set holding this probability")]
+
+
+def run_with_progress(what: str, run: Callable[..., Any], **kwargs: Any) -> Any:
+    """Call `run(**kwargs, on_stage=...)` under a spinner that logs each finished stage; usage errors become one
+    line and exit 2."""
+    with usage_errors(), console.status(f"{what}…") as status:
+        progress = StageLog(status)
+        result = run(**kwargs, on_stage=progress.start)
+        progress.start(None)
+    return result
+
+
 @app.command()
 def profile(
-    model: Annotated[
-        str, typer.Argument(help="preset name, Hugging Face folder, or path/to/file.py:factory")
-    ] = "tiny-llama",
-    out_dir: Annotated[Path | None, typer.Option("--out", help="run folder to create (must not exist)")] = None,
-    batch: Annotated[int, typer.Option(help="sequences per step")] = 1,
-    prompt_len: Annotated[int, typer.Option(help="prompt tokens (prefill length)")] = 128,
-    decode_steps: Annotated[int, typer.Option(help="decode steps profiled (one new token each)")] = 16,
-    dtype: Annotated[str, typer.Option(help="auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32")] = "auto",
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda")] = "auto",
-    warmup: Annotated[int, typer.Option(help="unrecorded passes over the exact timed lengths")] = 1,
-    remeasure: Annotated[
-        bool, typer.Option(help="measure the device's roofs again instead of using the cache")
-    ] = False,
-    sample: Annotated[
-        bool, typer.Option("--sample/--greedy", help="pick tokens as generate(do_sample=True) does, or by argmax")
-    ] = False,
-    temperature: Annotated[float, typer.Option(help="--sample: logits divided by this")] = 0.7,
-    top_k: Annotated[int, typer.Option(help="--sample: keep the k most likely tokens")] = 50,
-    top_p: Annotated[float, typer.Option(help="--sample: keep the smallest set holding this probability")] = 0.9,
+    model: ModelArg = "tiny-llama",
+    out_dir: OutOpt = None,
+    batch: BatchOpt = 1,
+    prompt_len: PromptOpt = 128,
+    decode_steps: DecodeOpt = 16,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "auto",
+    warmup: WarmupOpt = 1,
+    remeasure: RemeasureOpt = False,
+    sample: SampleOpt = False,
+    temperature: TemperatureOpt = 0.7,
+    top_k: TopKOpt = 50,
+    top_p: TopPOpt = 0.9,
 ) -> None:
     """Capture MODEL under torch.profiler, classify every kernel against the measured roofs, write a run folder."""
     from fusionscope.run import profile as run_profile
 
     t0 = time.perf_counter()
-    with usage_errors(), console.status("profiling…") as status:
-        progress = StageLog(status)
-        run = run_profile(
-            model,
-            out=out_dir,
-            batch=batch,
-            prompt_len=prompt_len,
-            decode_steps=decode_steps,
-            dtype=dtype,
-            device=device,
-            warmup=warmup,
-            remeasure=remeasure,
-            sample=sample,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            on_stage=progress.start,
-        )
-        progress.start(None)
+    run = run_with_progress("profiling", run_profile, model=model, out=out_dir, batch=batch, prompt_len=prompt_len,
+                            decode_steps=decode_steps, dtype=dtype, device=device, warmup=warmup, remeasure=remeasure,
+                            sample=sample, temperature=temperature, top_k=top_k, top_p=top_p)  # fmt: skip
     print_summary(run.summary)
     out.print(f"report: {run.report_path}   ({time.perf_counter() - t0:.1f} s in all)")
 
@@ -338,57 +344,33 @@ def print_summary(summary: dict) -> None:
 
 @app.command()
 def apply(
-    model: Annotated[
-        str, typer.Argument(help="preset name, Hugging Face folder, or path/to/file.py:factory")
-    ] = "tiny-llama",
+    model: ModelArg = "tiny-llama",
     fusions: Annotated[str, typer.Option(help="fusions to apply: a,b or all (every fusion found)")] = "all",
     from_run: Annotated[
         Path | None, typer.Option("--from", help="take the predictions of this earlier run folder instead")
     ] = None,
     repeats: Annotated[int, typer.Option(help="interleaved timing rounds per variant (medians)")] = 3,
-    out_dir: Annotated[Path | None, typer.Option("--out", help="run folder to create (must not exist)")] = None,
-    batch: Annotated[int, typer.Option(help="sequences per step")] = 1,
-    prompt_len: Annotated[int, typer.Option(help="prompt tokens (prefill length)")] = 128,
-    decode_steps: Annotated[int, typer.Option(help="decode steps (one new token each)")] = 16,
-    dtype: Annotated[str, typer.Option(help="auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32")] = "auto",
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda")] = "auto",
-    warmup: Annotated[int, typer.Option(help="unrecorded passes over the exact timed lengths")] = 1,
-    remeasure: Annotated[
-        bool, typer.Option(help="measure the device's roofs again instead of using the cache")
-    ] = False,
-    sample: Annotated[
-        bool, typer.Option("--sample/--greedy", help="pick tokens as generate(do_sample=True) does, or by argmax")
-    ] = False,
-    temperature: Annotated[float, typer.Option(help="--sample: logits divided by this")] = 0.7,
-    top_k: Annotated[int, typer.Option(help="--sample: keep the k most likely tokens")] = 50,
-    top_p: Annotated[float, typer.Option(help="--sample: keep the smallest set holding this probability")] = 0.9,
+    out_dir: OutOpt = None,
+    batch: BatchOpt = 1,
+    prompt_len: PromptOpt = 128,
+    decode_steps: DecodeOpt = 16,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "auto",
+    warmup: WarmupOpt = 1,
+    remeasure: RemeasureOpt = False,
+    sample: SampleOpt = False,
+    temperature: TemperatureOpt = 0.7,
+    top_k: TopKOpt = 50,
+    top_p: TopPOpt = 0.9,
 ) -> None:
     """Patch the fusions found into MODEL, check the numerics, measure before and after, predicted vs measured."""
     from fusionscope.apply.run import apply as run_apply
 
     t0 = time.perf_counter()
-    with usage_errors(), console.status("applying…") as status:
-        progress = StageLog(status)
-        run = run_apply(
-            model,
-            fusions=fusions,
-            from_run=from_run,
-            repeats=repeats,
-            out=out_dir,
-            batch=batch,
-            prompt_len=prompt_len,
-            decode_steps=decode_steps,
-            dtype=dtype,
-            device=device,
-            warmup=warmup,
-            remeasure=remeasure,
-            sample=sample,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            on_stage=progress.start,
-        )
-        progress.start(None)
+    run = run_with_progress("applying", run_apply, model=model, fusions=fusions, from_run=from_run, repeats=repeats,
+                            out=out_dir, batch=batch, prompt_len=prompt_len, decode_steps=decode_steps, dtype=dtype,
+                            device=device, warmup=warmup, remeasure=remeasure, sample=sample,
+                            temperature=temperature, top_k=top_k, top_p=top_p)  # fmt: skip
     print_summary(run.summary)
     print_apply(run.summary["apply"])
     out.print(f"report: {run.report_path}   ({time.perf_counter() - t0:.1f} s in all)")

@@ -13,7 +13,7 @@ import gc
 import gzip
 import json
 import statistics
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,10 +138,3 @@ def measured_variants(names: list[str], enter: Callable[[str], AbstractContextMa
         return lambda: enter(name)
 
     return {name: factory(name) for name in names}
-
-
-def rounds(names: list[str], repeats: int) -> Iterator[tuple[int, str]]:
-    """The order `interleaved` visits variants in (for progress displays)."""
-    for r in range(repeats):
-        for name in names:
-            yield r, name

@@ -118,6 +118,31 @@ def forward_reference(model: nn.Module, inputs: tuple | dict) -> Reference:
     return Reference(prefill_logits=logits, tokens=logits[:, -1:].argmax(-1), decode_logits=logits[:, :0])
 
 
+def check_draws(sampler: Any, ref: Reference, draws: int = 512) -> dict[str, Any]:
+    """The sampling fusion's check: the logits do not change (the model is not patched), the draws do, and a fused
+    draw uses its own random stream, so tokens cannot be compared one for one. Instead `draws` picks by the
+    sampler's current `pick` (the fused one while patched) from the first sequence's last prefill logits must all
+    fall in Hugging Face's kept set (temperature → top-k → top-p), and the most likely token's frequency must match
+    its kept probability within 4 standard errors + 1/draws."""
+    from fusionscope.kernels import kept_probs_reference
+
+    logits = ref.prefill_logits[:1, -1].float()
+    probs = kept_probs_reference(logits, sampler.temperature, sampler.top_k, sampler.top_p)[0]
+    ids = torch.zeros((1, 1), dtype=torch.long, device=logits.device)
+    with torch.inference_mode():
+        picks = torch.cat([sampler.pick(ids, logits) for _ in range(draws)]).reshape(-1)
+    inside = float((probs[picks] > 0).float().mean())
+    top = int(probs.argmax())
+    p_top = float(probs[top])
+    freq = float((picks == top).float().mean())
+    limit = 4 * math.sqrt(max(p_top * (1 - p_top), 1e-12) / draws) + 1 / draws
+    passed = inside == 1.0 and abs(freq - p_top) <= limit
+    verdict = "draws" if passed else "draws off"
+    reason = f"{verdict}: {inside:.3f} in the kept set, top token drawn {freq:.3f} vs p {p_top:.3f} (±{limit:.3f})"
+    return {"draws": draws, "in_kept_set": inside, "top_freq": freq, "top_prob": p_top, "passed": passed,
+            "reason": reason}  # fmt: skip
+
+
 def _greedy(_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     return logits[:, -1].argmax(-1, keepdim=True)
 

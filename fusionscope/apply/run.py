@@ -97,7 +97,8 @@ def apply(
     if dev.type == "cpu":
         use_interpreter()
     if earlier is not None:
-        check_same_workload(earlier.summary, spec.name, settings, str(torch_dtype).removeprefix("torch."), dev.type)
+        check_same_workload(earlier.summary, spec.name, settings, str(torch_dtype).removeprefix("torch."), dev.type,
+                            device_name(dev))  # fmt: skip
     with staged_dir(out_dir) as tmp:
         if earlier is None:
             profiled = profile_stages(settings, spec, dev, torch_dtype, tmp, note, keep_workload=True)
@@ -131,6 +132,14 @@ def apply(
     return ApplyRun(out_dir=out_dir, summary=summary, kernels=kernels, outcomes=outcomes)
 
 
+def device_name(dev: Any) -> str | None:
+    """The name summary.json records for a device (`device.name`): the GPU's name; None for a CPU, whose name the
+    roofs give and which a CPU run does not time anyway."""
+    import torch
+
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
+
+
 def use_interpreter() -> None:
     """On a CPU the Triton kernels run in the interpreter, which must be chosen before any kernel is defined."""
     import os
@@ -143,9 +152,12 @@ def use_interpreter() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
 
 
-def check_same_workload(earlier: dict, name: str, settings: Settings, dtype: str, device_kind: str) -> None:
-    """`--from RUN_DIR` must hold predictions for this model and workload; one line says what differs."""
-    model = earlier.get("model", {})
+def check_same_workload(earlier: dict, name: str, settings: Settings, dtype: str, device_kind: str,
+                        device_name: str | None = None) -> None:  # fmt: skip
+    """`--from RUN_DIR` must hold predictions for this model, workload and device; one line says what differs."""
+    if not isinstance(earlier, dict) or not isinstance(earlier.get("model"), dict) or "opportunities" not in earlier:
+        raise UsageError("--from folder's summary.json holds no profile predictions (model and opportunities)")
+    model = earlier["model"]
     now = {
         "name": name,
         "dtype": dtype,
@@ -157,8 +169,11 @@ def check_same_workload(earlier: dict, name: str, settings: Settings, dtype: str
     if model.get("prompt_len") is None:  # a factory model: one forward phase, no prompt or decode steps
         now.update(prompt_len=None, decode_steps=None)
     diffs = [f"{k} {model.get(k)!r} there, {now[k]!r} here" for k in MATCHING_KEYS if model.get(k) != now[k]]
-    if earlier.get("device", {}).get("kind") != device_kind:
-        diffs.append(f"device {earlier.get('device', {}).get('kind')!r} there, {device_kind!r} here")
+    device = earlier.get("device") if isinstance(earlier.get("device"), dict) else {}
+    if device.get("kind") != device_kind:
+        diffs.append(f"device {device.get('kind')!r} there, {device_kind!r} here")
+    elif device_name is not None and device.get("name") != device_name:
+        diffs.append(f"device {device.get('name')!r} there, {device_name!r} here")
     if diffs:
         raise UsageError(f"--from run was made for another workload: {'; '.join(diffs)}")
 
@@ -206,6 +221,7 @@ def run_apply(
         if forward_only:
             return numerics.forward_reference(of, workload.inputs)
         return numerics.reference(of, workload.inputs[0], workload.decode_steps)
+
     dtype = workload.dtype
     gpu = workload.device.type == "cuda"
     real_weights = workload.spec.weights is not None  # random weights: near-flat distributions, top-1 not judged
@@ -224,7 +240,24 @@ def run_apply(
         del copy32
         if gpu:
             torch.cuda.empty_cache()
-    eager_vs_fp32 = numerics.compare(ref, ref32)
+    eager_raw = numerics.compare(ref, ref32)
+    eager_vs_fp32 = json_safe(eager_raw)
+
+    def check(fusions: list[str]) -> tuple[dict, dict, bool, str]:
+        """Numerics of `fusions` patched together: (vs eager, vs fp32, passed, reason). A patched forward that
+        raises, or logits that are not finite, fail the check with the reason; the patch is left either way."""
+        with enter(fusions):
+            try:
+                test = reference(model)
+                draws = numerics.check_draws(sampler, ref) if "sampling" in fusions else None
+            except Exception as exc:  # a patched forward that raises is a failed fusion, not a failed run
+                return {}, {}, False, f"the patched model raised {type(exc).__name__}: {str(exc).splitlines()[0]}"
+        fig, fig32 = numerics.compare(test, ref), numerics.compare(test, ref32)
+        ok, why = numerics.judge(fig, fig32, eager_raw, dtype, real_weights)
+        if draws is not None:
+            fig["draws"] = draws
+            ok, why = (ok and draws["passed"], f"{why}; {draws['reason']}")
+        return json_safe(fig), json_safe(fig32), ok, why
 
     fusion_rows: dict[str, dict] = {}
     passing: list[str] = []
@@ -232,53 +265,30 @@ def run_apply(
         note(f"numerics: {fusion} alone")
         with enter([fusion]) as result:
             applied = result.applied.get(fusion, [])
-            row = {
-                "fusion": fusion,
-                "sites_found": len(sites[fusion]),
-                "sites_patched": len(applied),
-                "applied": applied,
-                "skipped": result.skipped.get(fusion, ""),
-            }
-            if not applied:
-                row.update(status="skipped", reason=result.skipped.get(fusion, "nothing patched"))
-                fusion_rows[fusion] = row
-                continue
-            test = reference(model)
-        row["numerics"] = numerics.compare(test, ref)
-        row["numerics_vs_fp32"] = numerics.compare(test, ref32)
-        ok, why = numerics.judge(row["numerics"], row["numerics_vs_fp32"], eager_vs_fp32, dtype, real_weights)
-        row.update(status="passed" if ok else "failed", reason=why)
+            skipped = result.skipped.get(fusion, "")
+        row = {"fusion": fusion, "sites_found": len(sites[fusion]), "sites_patched": len(applied),
+               "applied": applied, "skipped": skipped}  # fmt: skip
         fusion_rows[fusion] = row
+        if not applied:
+            row.update(status="skipped", reason=skipped or "nothing patched")
+            continue
+        row["numerics"], row["numerics_vs_fp32"], ok, why = check([fusion])
+        row.update(status="passed" if ok else "failed", reason=why)
         if ok:
             passing.append(fusion)
     if not any(row["sites_patched"] for row in fusion_rows.values()):
         why = "; ".join(f"{k}: {v['reason']}" for k, v in fusion_rows.items())
         raise UsageError(f"nothing could be patched in {workload.spec.name}: {why}")
     for fusion, why in left_out.items():
-        fusion_rows[fusion] = {
-            "fusion": fusion,
-            "sites_found": 0,
-            "sites_patched": 0,
-            "applied": [],
-            "skipped": why,
-            "status": "skipped",
-            "reason": why,
-        }
+        fusion_rows[fusion] = {"fusion": fusion, "sites_found": 0, "sites_patched": 0, "applied": [], "skipped": why,
+                               "status": "skipped", "reason": why}  # fmt: skip
 
     together_numerics: dict[str, Any] = {}
     if len(passing) > 1:
         note("numerics: all passing fusions together")
-        with enter(passing):
-            test = reference(model)
-        fig, fig32 = numerics.compare(test, ref), numerics.compare(test, ref32)
-        ok, why = numerics.judge(fig, fig32, eager_vs_fp32, dtype, real_weights)
-        together_numerics = {
-            "fusions": list(passing),
-            "numerics": fig,
-            "numerics_vs_fp32": fig32,
-            "passed": ok,
-            "reason": why,
-        }
+        fig, fig32, ok, why = check(passing)
+        together_numerics = {"fusions": list(passing), "numerics": fig, "numerics_vs_fp32": fig32, "passed": ok,
+                             "reason": why}  # fmt: skip
 
     result = {
         "fusions": list(fusion_rows.values()),
@@ -309,9 +319,26 @@ def run_apply(
         tmp,
         note,
         together_ok=not together_numerics or together_numerics["passed"],
+        applied={f: row["applied"] for f, row in fusion_rows.items()},
     )
     result["rows"] = variant_rows(result["timing"], fusion_rows)
     return result
+
+
+def json_safe(figures: dict) -> dict:
+    """Figures with every non-finite float (a NaN logit, an infinite relative error) as None and `non_finite` set:
+    summary.json is strict JSON, and a failed fusion's figures must still be written."""
+    import math
+
+    out, bad = {}, False
+    for key, value in figures.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            out[key], bad = None, True
+        else:
+            out[key] = value
+    if bad:
+        out["non_finite"] = True
+    return out
 
 
 def numerics_rows(fusion_rows: dict[str, dict]) -> list[dict]:
@@ -345,13 +372,16 @@ def measure_variants(
     tmp: Path,
     note: Callable[[str], None],
     together_ok: bool,
+    applied: dict[str, list[str]] | None = None,
 ) -> dict:
     """Interleaved timing and one profiled pass per variant; per variant and phase the measured figures beside the
-    predicted ones, each ratio against the baseline of the same interleaved set.
+    predicted ones (for the sites `applied`: fusion → paths), each ratio against the baseline of its own set.
 
     The first set holds the baseline, each fusion alone and "all found" (every passing fusion), so the fusions alone
     and together are compared under the same host drift. "All together" in a phase leaves out the fusions that were
-    slower alone there; when that differs from all found it is timed in a second set, again with its own baseline."""
+    clearly slower alone there; a choice that differs from all found is timed in a second set with its own baseline,
+    one variant per distinct choice, named after the phases that chose it. `all_together` maps each phase to the
+    variant that is its "all together"."""
     from fusionscope.apply import measure
 
     phases = [p for p in workload.phases if p in summary.get("phases", {})]
@@ -359,29 +389,34 @@ def measure_variants(
     if together_ok and len(passing) > 1:
         first[ALL_FOUND] = list(passing)
     timed = _timed_set(workload, first, enter, sampler, repeats, note)
-    second: dict[str, list[str]] = {}
+    choice: dict[str, list[str]] = {}  # phase -> its all-together fusions
     if ALL_FOUND in first:
-        for phase in phases:
-            chosen = [f for f in passing if not clearly_slower(timed[f], timed[BASELINE], phase)]
-            if chosen and chosen != passing and chosen not in second.values():
-                second[f"{ALL_TOGETHER} ({phase})"] = chosen
+        choice = {ph: [f for f in passing if not clearly_slower(timed[f], timed[BASELINE], ph)] for ph in phases}
+    distinct = [c for c in dict.fromkeys(tuple(c) for c in choice.values()) if c and list(c) != passing]
+    second = {f"{ALL_TOGETHER} ({', '.join(ph for ph in phases if tuple(choice[ph]) == c)})": list(c) for c in distinct}
     timed_second = _timed_set(workload, {BASELINE: [], **second}, enter, sampler, repeats, note) if second else {}
+    found_label = ALL_FOUND if second else ALL_TOGETHER  # all found is all together when no phase left one out
+    # a phase where every fusion was clearly slower alone has nothing to put together: its best is the baseline
+    all_together = {ph: BASELINE if not choice[ph] else next((n for n, f in second.items() if f == choice[ph]),
+                                                             found_label) for ph in choice}  # fmt: skip
     variants = {**first, **second}
     gpu: dict[str, dict] = {}
     for name, fusions in variants.items():
         note(f"GPU time and kernels per step: profiling {name}")
         with enter(fusions):
             gpu[name] = measure.gpu_figures(workload, tmp, f".profile-{len(gpu)}", sampler)
-    out: dict[str, Any] = {"variants": {}, "sets": [list(first), [BASELINE, *second]] if second else [list(first)]}
+    out: dict[str, Any] = {"variants": {}, "sets": [list(first), [BASELINE, *second]] if second else [list(first)],
+                           "all_together": all_together}  # fmt: skip
     for name, fusions in variants.items():
         own = timed_second if name in second else timed
         per_phase = {
             phase: phase_figures(summary, phase, fusions, own[name], own[BASELINE], gpu[name].get(phase, {}),
-                                 gpu[BASELINE].get(phase, {}))
+                                 gpu[BASELINE].get(phase, {}), applied)
             for phase in phases
         }  # fmt: skip
-        label = ALL_TOGETHER if name == ALL_FOUND and not second else name
+        label = found_label if name == ALL_FOUND else name
         out["variants"][label] = {"fusions": fusions, "peak_mib": own[name].peak_mib, "phases": per_phase}
+    out["sets"][0] = [found_label if n == ALL_FOUND else n for n in out["sets"][0]]
     return out
 
 
@@ -407,22 +442,34 @@ def _timed_set(workload: Any, variants: dict[str, list[str]], enter: Callable[[l
     )
 
 
-def predicted(summary: dict, phase: str, fusions: list[str]) -> dict[str, float | None]:
-    """The estimate for `fusions` applied together in `phase`: per-step savings summed over their opportunities and
-    put through the step model (one fusion alone: its own `speedup_*` figures)."""
+def patched_share(opportunity: dict, applied: dict[str, list[str]] | None) -> float:
+    """The share of an opportunity's sites that the patch reached (1 without `applied`): a prediction is for what was
+    patched, so a site skipped with its reason leaves the estimate with it rather than counting as a miss."""
+    paths = opportunity.get("module_paths") or []
+    if applied is None or not paths:
+        return 1.0
+    return len(set(paths) & set(applied.get(opportunity["fusion"], []))) / len(paths)
+
+
+def predicted(summary: dict, phase: str, fusions: list[str],
+              applied: dict[str, list[str]] | None = None) -> dict[str, float | None]:  # fmt: skip
+    """The estimate for `fusions` applied together in `phase`: per-step savings summed over their opportunities (each
+    scaled to the share of its sites that were patched, `applied`: fusion → paths) and put through the step model
+    (one fusion alone, fully patched: its own `speedup_*` figures)."""
     from fusionscope import amdahl
 
     rows = [o for o in summary.get("opportunities", []) if o["phase"] == phase and o["fusion"] in fusions]
     if not rows:
         return {"speedup_gpu": None, "speedup_wall": None, "saved_gpu_us": None}
-    saved = sum(r.get("saved_us") or 0.0 for r in rows)
+    share = {id(r): patched_share(r, applied) for r in rows}
+    saved = sum((r.get("saved_us") or 0.0) * share[id(r)] for r in rows)
     model = amdahl.step_model(summary["phases"].get(phase, {}), summary.get("roofs", {}))
     if model is None:  # a CPU run: the ops are the timeline, so the profiled step is their sum (as `profile` says)
         wall = 1e3 * (summary["phases"].get(phase, {}).get("wall_ms_per_step") or 0.0)
         return {"speedup_gpu": None, "speedup_wall": wall / max(wall - saved, 1e-9) if wall else None,
                 "saved_gpu_us": None}  # fmt: skip
-    ops = sum(r.get("ops_now") or 0.0 for r in rows)
-    launches = sum(r.get("launches_fused") or 0.0 for r in rows)
+    ops = sum((r.get("ops_now") or 0.0) * share[id(r)] for r in rows)
+    launches = sum((r.get("launches_fused") or 0.0) * share[id(r)] for r in rows)
     gain = amdahl.speedup(model, saved, ops, launches)
     return {
         "speedup_gpu": gain.gpu,
@@ -441,7 +488,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
 
 
-def phase_figures(summary: dict, phase: str, fusions: list[str], m: Any, base: Any, gpu: dict, gpu_base: dict) -> dict:
+def phase_figures(summary: dict, phase: str, fusions: list[str], m: Any, base: Any, gpu: dict, gpu_base: dict,
+                  applied: dict[str, list[str]] | None = None) -> dict:  # fmt: skip
     """Measured vs predicted for one variant in one phase (wall from the interleaved rounds, GPU from the profiled
     pass), with the error measured ÷ predicted − 1 and the step-model term that was further off."""
     wall, wall_base = m.wall(phase), base.wall(phase)
@@ -458,7 +506,7 @@ def phase_figures(summary: dict, phase: str, fusions: list[str], m: Any, base: A
     }
     if not fusions:
         return row
-    pred = predicted(summary, phase, fusions)
+    pred = predicted(summary, phase, fusions, applied)
     row.update(predicted_speedup_wall=pred["speedup_wall"], predicted_speedup_gpu=pred["speedup_gpu"])
     for kind in ("wall", "gpu"):
         meas, est = row[f"measured_speedup_{kind}"], row[f"predicted_speedup_{kind}"]
