@@ -181,7 +181,7 @@ def test_the_timing_path_runs_and_sets_every_measured_figure_beside_its_predicti
     assert not list(tmp_path.iterdir())  # the profiled passes' traces are removed
 
 
-FACTORY = '''
+FACTORY = """
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -192,7 +192,7 @@ def tiny_llama(device="cpu", dtype=torch.float32):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype)
     return model, {"input_ids": torch.randint(0, 128, (2, 7), device=device)}
-'''
+"""
 
 
 def test_apply_on_a_factory_model_checks_its_forward(tmp_path) -> None:

@@ -415,3 +415,26 @@ def test_smollm2_rms_norm_kernel_passes_and_a_wrong_epsilon_fails(smollm: tuple[
     assert ok, reason
     ok, reason = verdict(model, ids, kernel_norm(eps_scale=2.0), steps=2, real_weights=True)
     assert not ok and reason.startswith("kl_mean"), reason
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_smollm2_every_patchable_fusion_keeps_real_text_numerics(smollm: tuple[nn.Module, torch.Tensor],
+                                                                 dtype: torch.dtype) -> None:  # fmt: skip
+    """The patch `apply` makes — every fusion the finder finds in SmolLM2, patched where it found it, the kernels in
+    the interpreter — judged on real text against the unpatched model in the same dtype and against fp32, with the
+    top-1 rule real weights get."""
+    import fusionscope
+
+    model32, ids = smollm
+    model = model32
+    if dtype != torch.float32:
+        model = fp32_copy(model32)
+        for p in model.parameters():  # what loading in bf16 gives: weights rounded, rotary buffers kept in fp32
+            p.data = p.data.to(dtype)
+    eager = reference(model, ids, decode_steps=2)
+    fp32 = reference(model32, ids, decode_steps=2)
+    with fusionscope.patch(model, ["add_rms_norm", "rms_norm", "silu_and_mul", "rope", "qkv", "gate_up"]) as p:
+        fused = reference(model, ids, decode_steps=2)
+    assert len(p.applied["add_rms_norm"]) == 60 and len(p.applied["qkv"]) == 30, p.skipped
+    ok, reason = judge(compare(fused, eager), compare(fused, fp32), compare(eager, fp32), dtype, real_weights=True)
+    assert ok, reason

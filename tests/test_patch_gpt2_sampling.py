@@ -17,6 +17,7 @@ from fusionscope.kernels import kept_probs_reference
 from fusionscope.kernels.tolerances import tolerance
 from torch import nn
 from transformers import BertConfig, BertLMHeadModel, GPT2Config, GPT2LMHeadModel
+from transformers.models.bert.modeling_bert import BertSelfOutput
 
 from fusionscope.apply import numerics
 from fusionscope.apply.patching import Patcher, find_sites, patch
@@ -33,6 +34,13 @@ def gpt2(dtype: torch.dtype = torch.float32, **overrides: Any) -> GPT2LMHeadMode
     torch.manual_seed(0)
     config = GPT2Config(n_embd=64, n_layer=LAYERS, n_head=4, vocab_size=128, n_positions=64, **overrides)
     return GPT2LMHeadModel(config).to(DEVICE, dtype).eval()
+
+
+def bert(layers: int = LAYERS) -> BertLMHeadModel:
+    torch.manual_seed(0)
+    config = BertConfig(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=128,
+                        vocab_size=128, max_position_embeddings=64, is_decoder=True)  # fmt: skip
+    return BertLMHeadModel(config).to(DEVICE).eval()
 
 
 @pytest.fixture(autouse=True)
@@ -208,10 +216,7 @@ def test_other_inputs_and_training_run_the_unfused_forwards(sites: dict[str, lis
 def test_bert_style_modules(calls: Counter) -> None:
     """BERT: linear_act in the intermediate and LM-head transform (exact GELU), add_layer_norm in the post-LN
     outputs; the embeddings' LayerNorm reads an add made inline and is skipped with that reason."""
-    torch.manual_seed(0)
-    config = BertConfig(hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=4, intermediate_size=128,
-                        vocab_size=128, max_position_embeddings=64, is_decoder=True)  # fmt: skip
-    model = BertLMHeadModel(config).to(DEVICE).eval()
+    model = bert()
     found = find_sites(model)
     before, state = logits(model), snapshot(model)
     with patch(model, where(found, ("add_layer_norm", "linear_act"))) as result:
@@ -223,6 +228,58 @@ def test_bert_style_modules(calls: Counter) -> None:
     assert calls["add_layer_norm"] == 2 * 2 * LAYERS and calls["linear_act"] == 2 * (LAYERS + 1)
     assert snapshot(model) == state
     assert_equal(logits(model), before)
+
+
+class NormThenAdd(BertSelfOutput):
+    """BertSelfOutput's children and bytecode names, but the residual added after the LayerNorm, not before it."""
+
+    def forward(self, hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.dense(hidden_states)
+        hidden_states = self.dropout(hidden_states)
+        hidden_states = self.LayerNorm(hidden_states) + input_tensor
+        return hidden_states
+
+
+def test_a_post_norm_output_that_adds_after_the_norm_is_refused_at_that_statement(calls: Counter) -> None:
+    model = bert(layers=1)
+    output = model.bert.encoder.layer[0].attention.output
+    output.__class__ = NormThenAdd
+    before = logits(model)
+    path = "bert.encoder.layer.0.attention.output.LayerNorm"
+    with patch(model, [{"fusion": "add_layer_norm", "module_paths": [path]}]) as result:
+        assert "forward" not in vars(output)
+        patched = logits(model)
+    assert result.applied == {}
+    assert (
+        "at `hidden_states = self.LayerNorm(hidden_states) + input_tensor`"
+        in result.skipped_paths["add_layer_norm"][path]
+    )
+    assert calls["add_layer_norm"] == 0
+    assert_equal(patched, before)
+
+
+def test_an_instance_forward_of_ones_own_is_refused_not_bypassed(calls: Counter) -> None:
+    """A block or MLP whose forward was replaced on the instance keeps it: the rewrite would run the class's
+    computation instead. One such block refuses its stack's add_layer_norm sites; the MLP refuses linear_act."""
+    model = gpt2()
+    block, mlp = model.transformer.h[1], model.transformer.h[0].mlp
+
+    def halved(self: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return type(self).forward(self, *args, **kwargs) * 0.5
+
+    block.forward = halved.__get__(block)
+    mlp.forward = halved.__get__(mlp)
+    before = logits(model)
+    with patch(model, [{"fusion": "add_layer_norm", "module_paths": FUSABLE},
+                       {"fusion": "linear_act", "module_paths": C_FC}]) as result:  # fmt: skip
+        patched = logits(model)
+    assert "add_layer_norm" not in result.applied and set(result.skipped_paths["add_layer_norm"]) == set(FUSABLE)
+    assert "GPT2Block's forward is already replaced on the instance" in result.skipped["add_layer_norm"]
+    assert result.applied["linear_act"] == [C_FC[1]]
+    assert "GPT2MLP's forward is already replaced" in result.skipped_paths["linear_act"][C_FC[0]]
+    assert calls["add_layer_norm"] == 0 and calls["linear_act"] == 2
+    assert_close(patched, before, torch.float32)
+    assert vars(block)["forward"].__func__ is halved and vars(mlp)["forward"].__func__ is halved
 
 
 def test_an_activation_without_an_epilogue_is_refused() -> None:

@@ -244,6 +244,52 @@ def test_a_projection_called_on_another_input_computes_its_own() -> None:
     torch.testing.assert_close(moved, nn.functional.linear(x, attn.v_proj.weight), atol=1e-6, rtol=1e-6)
 
 
+def test_an_in_place_write_before_the_next_first_projection_is_seen() -> None:
+    """Inference tensors have no version counter, so only identity guards the kept views; but the projection called
+    first computes the group afresh, so a write between two forwards (each calling q_proj first) is seen."""
+    model = build("llama")
+    attn = model.model.layers[0].self_attn
+    linears = (attn.q_proj, attn.k_proj, attn.v_proj)
+    with patch(model, where(sites("llama"), ("qkv",))), torch.inference_mode():
+        x = torch.randn(1, 3, 64).to(DEVICE)
+        for linear in linears:  # q_proj computes the group, k_proj and v_proj return their kept views
+            linear(x)
+        x.mul_(-2.0)  # an inference tensor: no version counter moves
+        got = [linear(x) for linear in linears]
+        want = [nn.functional.linear(x, linear.weight) for linear in linears]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize(("family", "refused"), [("llama", set()), ("qwen3", set()), ("phi3", {"rope"})])
+def test_training_mode_runs_the_class_forwards_bit_for_bit_with_gradients(family: str, refused: set[str]) -> None:
+    """In training mode every rewritten forward (norms, layers, MLPs, projections, attention) runs its class's
+    forward: the logits and every gradient are bit-equal to the unpatched model's, and no kernel runs. (flash_attention
+    is left out: it switches the attention function through the config, not a forward, and SDPA's sums round
+    differently from eager attention's. Phi-3's attention has no rope rewrite.)"""
+    model = build(family).train()
+    model_sites = sites(family)
+    fusions = tuple(f for f in (*MINE, "rms_norm", "add_rms_norm") if f in model_sites and f != "flash_attention")
+
+    def run() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        out = model(PROMPT).logits
+        out.float().square().sum().backward()
+        return out.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    want, want_grads = run()
+    counter = OpCounter()
+    with patch(model, where(model_sites, fusions)) as result:
+        assert set(result.skipped) == refused and sorted(result.applied) == sorted(set(fusions) - refused)
+        with counter:
+            got, grads = run()
+    assert torch.equal(got, want)
+    assert grads.keys() == want_grads.keys() == {n for n, _ in model.named_parameters()}
+    assert all(torch.equal(grads[n], want_grads[n]) for n in grads)
+    assert not [op for op in counter.counts if op.startswith("fusionscope.")]
+
+
 def test_already_fused_models_are_not_offered_and_their_rope_is_refused() -> None:
     """Phi-3 has one qkv_proj and one gate_up_proj: nothing to fuse. Its attention slices qkv_proj's output, which
     the rope rewrite does not reproduce: refused with that statement."""

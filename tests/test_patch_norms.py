@@ -160,18 +160,23 @@ def test_positional_arguments_reach_attention_by_name() -> None:
 
 
 class ScaledLayer(LlamaDecoderLayer):
-    """Llama's modules, but a forward that scales the branches (as Granite's residual_multiplier does)."""
+    """Llama's modules and forward, statement for statement, but for the branches scaled before each residual add, as
+    Granite's decoder layer writes it (`residual_multiplier`)."""
 
     residual_multiplier = 0.5
 
     def forward(self, hidden_states, position_embeddings=None, **kwargs):
         residual = hidden_states
-        h = self.input_layernorm(hidden_states)
-        h, _ = self.self_attn(hidden_states=h, position_embeddings=position_embeddings, **kwargs)
-        hidden_states = residual + h * self.residual_multiplier
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, _ = self.self_attn(
+            hidden_states=hidden_states, position_embeddings=position_embeddings, **kwargs
+        )
+        hidden_states = residual + hidden_states * self.residual_multiplier
         residual = hidden_states
-        h = self.mlp(self.post_attention_layernorm(hidden_states))
-        return residual + h * self.residual_multiplier
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states)
+        hidden_states = residual + hidden_states * self.residual_multiplier
+        return hidden_states
 
 
 def test_a_layer_whose_forward_does_more_is_left_alone(calls: dict) -> None:
@@ -194,6 +199,73 @@ def test_a_layer_whose_forward_does_more_is_left_alone(calls: dict) -> None:
     assert "after a stack of decoder layers" in reasons["model.norm"]
     assert calls["add_rms_norm"] == 1
     assert_close(got, want, torch.float32)
+
+
+class HalfBranchLayer(LlamaDecoderLayer):
+    """LlamaDecoderLayer.forward but for one constant: the MLP branch is halved before its residual add. It reads the
+    same `self.` attributes as Llama's forward; only its statements tell it apart."""
+
+    def forward(self, hidden_states, position_embeddings=None, **kwargs):
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, _ = self.self_attn(
+            hidden_states=hidden_states, position_embeddings=position_embeddings, **kwargs
+        )
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states)
+        hidden_states = residual + 0.5 * hidden_states
+        return hidden_states
+
+
+def test_a_layer_that_halves_a_branch_is_refused_at_that_statement(calls: dict) -> None:
+    """Every site that would rewrite layer 1 is refused, naming the statement that differs from Llama's; the logits
+    are the layer's own."""
+    model = tiny("llama")
+    ids = torch.randint(0, 128, (1, 5), device=DEVICE)
+    with torch.inference_mode():
+        model.model.layers[1].__class__ = HalfBranchLayer
+        want = model(ids).logits
+        with patch(model, where(find_sites(model))) as p:
+            got = model(ids).logits
+    reasons = p.skipped_paths["add_rms_norm"]
+    assert set(reasons) == {"model.layers.1.input_layernorm", "model.layers.1.post_attention_layernorm", "model.norm"}
+    statement = "differs from the llama-shape decoder layer at `hidden_states = residual + 0.5 * hidden_states`"
+    assert statement in reasons["model.layers.1.post_attention_layernorm"]
+    assert statement in reasons["model.layers.1.input_layernorm"]
+    assert p.applied["add_rms_norm"] == ["model.layers.0.post_attention_layernorm"]
+    assert calls["add_rms_norm"] == 1
+    assert_close(got, want, torch.float32)
+
+
+def test_a_patched_model_in_training_mode_runs_the_unpatched_computation(calls: dict) -> None:
+    """train() at call time: every rewritten layer and norm runs its class's forward, bit for bit, with gradients;
+    the kernels, which have no backward, are never called. A final norm alone in training mode adds the pair the
+    last (eval) layer handed over back first, then runs its class's forward."""
+    model = tiny("llama")
+    ids = torch.randint(0, 128, (1, 5), device=DEVICE)
+    sites = find_sites(model)
+    model.train()
+    want = model(ids).logits
+    want.sum().backward()
+    want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    with patch(model, where(sites)) as p:
+        assert p.skipped == {}
+        got = model(ids).logits
+        got.sum().backward()
+        assert calls == {"add_rms_norm": 0, "rms_norm": 0}
+        model.eval()
+        model.model.norm.train()
+        with torch.inference_mode():
+            mixed = model(ids).logits
+    assert torch.equal(got, want) and got.requires_grad
+    assert {n: p.grad for n, p in model.named_parameters()}.keys() == want_grads.keys()
+    assert all(torch.equal(p.grad, want_grads[n]) for n, p in model.named_parameters())
+    assert calls["add_rms_norm"] == 2 * 2 - 1  # every add + norm but the final one
+    with torch.inference_mode():
+        assert_close(mixed, model(ids).logits, torch.float32)
 
 
 def test_the_shape_comes_from_what_the_forward_uses(calls: dict) -> None:
@@ -295,7 +367,7 @@ def test_a_norm_copied_under_a_new_name_is_vouched_for(calls: dict) -> None:
             return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * 2
 
     norms = {"a": CopiedRMSNorm(16), "b": OtherRMSNorm(16), "c": SubRMSNorm(16), "d": RescaledRMSNorm(16)}
-    model = nn.ModuleDict(norms).to(DEVICE)
+    model = nn.ModuleDict(norms).to(DEVICE).eval()  # in training mode the patched norms run their class's forward
     with torch.no_grad():
         model["c"].weight.uniform_(-0.5, 0.5)
     x = torch.randn(3, 16, device=DEVICE)
@@ -309,3 +381,25 @@ def test_a_norm_copied_under_a_new_name_is_vouched_for(calls: dict) -> None:
     assert calls["rms_norm"] == 2
     for g, w in zip(got, want):
         assert_close(g, w, torch.float32)
+
+
+def test_a_docstring_in_a_copied_norm_is_no_difference(calls: dict) -> None:
+    """Docstrings are not statements: a copy of Llama's forward with one is vouched for, as a copy without is."""
+
+    class DocumentedRMSNorm(LlamaRMSNorm):
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            """Llama's RMSNorm, documented."""
+            input_dtype = hidden_states.dtype
+            hidden_states = hidden_states.to(torch.float32)
+            variance = hidden_states.pow(2).mean(-1, keepdim=True)
+            hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+            return self.weight * hidden_states.to(input_dtype)
+
+    model = nn.ModuleDict({"norm": DocumentedRMSNorm(16)}).to(DEVICE).eval()
+    x = torch.randn(3, 16, device=DEVICE)
+    with torch.inference_mode():
+        want = model["norm"](x)
+        with patch(model, [{"fusion": "rms_norm", "module_paths": ["norm"]}]) as p:
+            got = model["norm"](x)
+    assert p.applied == {"rms_norm": ["norm"]} and calls["rms_norm"] == 1
+    assert_close(got, want, torch.float32)

@@ -14,7 +14,9 @@ name and the `kwargs=` are read from the source), and the attention function loo
 `ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)` with the module's
 own globals read at call time, given the same keywords (dropout, scaling, Mistral/Qwen's sliding_window, Gemma-2's
 softcap), each read from the instance as the source reads it. Any other statement (Phi-3's fused qkv_proj, a partial
-rotary split, a keyword not in the table) refuses the site with the statement that differs.
+rotary split, a keyword not in the table) refuses the site with the statement that differs (the source is read by
+`fusionscope.apply.source`, docstrings and comments aside). An instance whose forward is already its own is refused,
+and in training mode the class's forward runs (`unless_training`: the kernel has no backward).
 
 KV cache: under a DynamicCache the update is a `torch.cat` of the past and the new rows, which no kernel fuses with the
 rotation; `rope_and_cache` writes the new rows into a *static* cache in place and needs one (`--graphs` runs with a
@@ -26,9 +28,7 @@ from __future__ import annotations
 
 import ast
 import copy
-import inspect
 import sys
-import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -39,65 +39,17 @@ import torch
 from torch import nn
 
 from fusionscope.apply.patching import Patcher, Support
-
-KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-@dataclass(frozen=True)
-class Source:
-    """A function's parameters and body as parsed from its source: statements normalised by `ast.unparse` (comments,
-    layout and the docstring dropped), decorators as written."""
-
-    params: tuple[str, ...]  # positional-or-keyword parameters, `self` first
-    varargs: str | None
-    varkw: str | None
-    statements: tuple[ast.stmt, ...]
-    decorators: tuple[ast.expr, ...]
-
-    def text(self, i: int) -> str:
-        return ast.unparse(self.statements[i])
-
-    def key(self, i: int) -> str:
-        """Statement i as `ast.dump` writes it: what templates are compared on (`unparse`'s spelling, e.g. of a
-        returned tuple, may change between Python versions; the tree does not)."""
-        return ast.dump(self.statements[i])
-
-
-def statement_key(text: str) -> str:
-    """The `Source.key` of a statement written out as source."""
-    return ast.dump(ast.parse(text).body[0])
-
-
-def expression_key(text: str) -> str:
-    return ast.dump(ast.parse(text, mode="eval").body)
-
-
-def read_source(function: Callable[..., Any]) -> Source | None:
-    """The parsed source of `function` (unwrapped through `functools.wraps` decorators); None when it has none."""
-    try:
-        return parse_function(textwrap.dedent(inspect.getsource(function)))
-    except (OSError, TypeError, SyntaxError):
-        return None
-
-
-def parse_function(text: str) -> Source | None:
-    """The `Source` of the first function defined in `text` (a function's source, dedented)."""
-    tree = ast.parse(text)
-    node = tree.body[0] if tree.body else None
-    if not isinstance(node, ast.FunctionDef):
-        return None
-    body = node.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
-        body = body[1:]  # the docstring
-    args = node.args
-    return Source(
-        params=tuple(a.arg for a in (*args.posonlyargs, *args.args)),
-        varargs=args.vararg.arg if args.vararg else None,
-        varkw=args.kwarg.arg if args.kwarg else None,
-        statements=tuple(body),
-        decorators=tuple(node.decorator_list),
-    )
-
+from fusionscope.apply.source import (
+    KERNEL_DTYPES,
+    Source,
+    deprecated_aliases,
+    expression_key,
+    forward_replaced,
+    read_source,
+    rename,
+    statement_key,
+    unless_training,
+)
 
 # ------------------------------------------------------------------------------------------------ the class's forward
 
@@ -163,20 +115,6 @@ class AttentionShape:
     arguments: tuple[tuple[str, Callable[[nn.Module], Any]], ...]  # the attention function's named keywords
 
 
-def _aliases(decorators: tuple[ast.expr, ...]) -> tuple[tuple[str, str], ...] | str:
-    """(old, new) names of `@deprecate_kwarg(old, ..., new_name=new)` decorators; a reason for any other decorator."""
-    found = []
-    for deco in decorators:
-        call = deco if isinstance(deco, ast.Call) else None
-        name = getattr(call.func, "id", getattr(call.func, "attr", "")) if call else ""
-        if name != "deprecate_kwarg" or not call.args or not isinstance(call.args[0], ast.Constant):
-            return f"its forward is decorated with `{ast.unparse(deco)}`, which the rewrite does not reproduce"
-        new = next((k.value.value for k in call.keywords if k.arg == "new_name"), None)
-        if isinstance(new, str):
-            found.append((call.args[0].value, new))
-    return tuple(found)
-
-
 def _interface_call(statement: ast.stmt) -> tuple[tuple[str, Callable[[nn.Module], Any]], ...] | str:
     """The named keywords of the `attention_interface(...)` call, each as a reader of the instance; a reason when the
     call is not the one the rewrite makes or a keyword's expression is not in `ARGUMENTS`."""
@@ -211,10 +149,10 @@ def read_attention(cls: type) -> AttentionShape | str:
 def attention_shape(source: Source, name: str) -> AttentionShape | str:
     """`read_attention` on a parsed forward (`name` for the reasons)."""
     params = source.params
-    if params[:4] != _PARAMS or len(params) != 5 or source.varargs or source.varkw != "kwargs":
+    if params[:4] != _PARAMS or len(params) != 5 or source.varargs or source.kwonly or source.varkw != "kwargs":
         return (f"{name} takes ({', '.join(params)}), not (hidden_states, position_embeddings, attention_mask, cache, "
                 "**kwargs)")  # fmt: skip
-    aliases = _aliases(source.decorators)
+    aliases = deprecated_aliases(source.decorators)
     if isinstance(aliases, str):
         return aliases
     cache = params[4]
@@ -274,12 +212,13 @@ def _rotation_matches(modeling: ModuleType) -> str:
     return ""
 
 
-def rope_support(module: nn.Module | None) -> AttentionShape | str:
+def rope_support(module: nn.Module | None, patcher: Patcher | None = None) -> AttentionShape | str:
     """The shape of an attention instance the rope rewrite can take, or why not."""
     if module is None:
         return "the model has no module at this path"
-    if "forward" in vars(module):
-        return f"this {type(module).__name__}'s forward is already replaced on the instance"
+    replaced = forward_replaced(module, patcher)
+    if replaced:
+        return replaced
     shape = read_attention(type(module))
     if isinstance(shape, str):
         return shape
@@ -299,7 +238,8 @@ def rope_support(module: nn.Module | None) -> AttentionShape | str:
 
 def rope_forward(shape: AttentionShape, modeling: ModuleType, rope: Callable[..., Any]) -> Callable[..., Any]:
     """The forward of one attention instance: the class's forward (see `read_attention`) with `rope(q, k, cos, sin)`
-    in place of `apply_rotary_pos_emb`. hidden_states: (B, S, hidden); returns (attn_output, attn_weights)."""
+    in place of `apply_rotary_pos_emb`, in eval mode (`unless_training`). hidden_states: (B, S, hidden); returns
+    (attn_output, attn_weights)."""
     names = dict(shape.arguments)
 
     def forward(
@@ -310,9 +250,7 @@ def rope_forward(shape: AttentionShape, modeling: ModuleType, rope: Callable[...
         *args: Any,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        for old, new in shape.aliases:  # as the class's deprecate_kwarg decorator renames them
-            if old in kwargs and new not in kwargs:
-                kwargs[new] = kwargs.pop(old)
+        rename(kwargs, shape.aliases)  # as the class's deprecate_kwarg decorators do
         if len(args) > 1:
             raise TypeError(f"forward takes at most 4 positional arguments after self, got {3 + len(args)}")
         cache = args[0] if args else kwargs.pop(shape.cache_name, None)
@@ -338,13 +276,13 @@ def rope_forward(shape: AttentionShape, modeling: ModuleType, rope: Callable[...
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return self.o_proj(attn_output), attn_weights
 
-    return forward
+    return unless_training(forward)
 
 
 def patch_rope(patcher: Patcher, path: str, owner: str) -> Support:
     """Bind the rope forward on the attention instance at `path`, or say why not."""
     module = patcher.module(path)
-    shape = rope_support(module)
+    shape = rope_support(module, patcher)
     if isinstance(shape, str):
         return Support.no(shape)
     from fusionscope.kernels import rope

@@ -13,19 +13,19 @@ fused 4·N·s (reads x and residual, writes the residual and the output).
 Patching (`patch`): GPT-2's blocks are rewritten per instance, carrying the residual across the block boundary
 (`fusionscope.apply.gpt2`): 2·L of the 2·L + 1 sites — block 0's ln_1 reads the embedding sum made inline in the
 model's forward and stays unfused. BERT-style post-LN outputs (`dense → dropout → LayerNorm(h + input_tensor)`, a
-module with exactly those three children, whose forward reads nothing else) get a forward that calls the kernel for
-the add and the norm.
+module with exactly those three children, whose forward is `POST_NORM`, statement for statement) get a forward that
+calls the kernel for the add and the norm; a forward that adds elsewhere (`LayerNorm(h) + input_tensor`) is refused
+at the statement that differs. In training mode every rewritten module runs its class's forward.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fusionscope.apply.patching import Support
+from fusionscope.apply.source import difference, forward_replaced, read_source, template, unless_training
 from fusionscope.fusions.base import Graph, Match, row_micro_case
-from fusionscope.fusions.linear_act import forward_names
 from fusionscope.fusions.rms_norm import is_residual_add
 
 if TYPE_CHECKING:
@@ -65,8 +65,14 @@ def micro_case(graph: Graph, match: Match) -> Case | None:
     return row_micro_case(graph, match, "aten::add", add_layer_norm_case)
 
 
-# BertSelfOutput / BertOutput and their copies: the children, in the order the forward reads them
+# BertSelfOutput / BertOutput and their copies: the children, and the forward's body
 POST_NORM_CHILDREN = ("dense", "dropout", "LayerNorm")
+POST_NORM = """
+    hidden_states = self.dense(hidden_states)
+    hidden_states = self.dropout(hidden_states)
+    hidden_states = self.LayerNorm(hidden_states + input_tensor)
+    return hidden_states
+"""
 
 
 def patch(patcher: Patcher, paths: list[str]) -> dict[str, Support]:
@@ -93,28 +99,37 @@ def patch(patcher: Patcher, paths: list[str]) -> dict[str, Support]:
 
 def _patch_post_norm(patcher: Patcher, path: str, kernel: Callable[..., tuple]) -> Support:
     """A post-LN output module (`LayerNorm(dropout(dense(h)) + input_tensor)`) whose LayerNorm is at `path`."""
-    from torch import nn
+    from fusionscope.apply.gpt2 import layer_norm_refusal
 
     parent_path, _, name = path.rpartition(".")
     parent = patcher.module(parent_path)
     if parent is None:
         return Support.no("the LayerNorm has no parent module whose forward could make the add")
     children = tuple(sorted(n for n, _ in parent.named_children()))
-    params = tuple(inspect.signature(type(parent).forward).parameters)[1:]
-    if (
-        name != "LayerNorm"
-        or children != tuple(sorted(POST_NORM_CHILDREN))
-        or forward_names(parent) != POST_NORM_CHILDREN
-        or not isinstance(parent.LayerNorm, nn.LayerNorm)
-        or params != ("hidden_states", "input_tensor")
-    ):
+    if name != "LayerNorm" or children != tuple(sorted(POST_NORM_CHILDREN)):
         return Support.no(
             "the residual add before this LayerNorm is not in a module layout the patch knows (a GPT-2 block's "
             "ln_1 / ln_2 / ln_f, or a BERT-style dense → dropout → LayerNorm(h + input_tensor) output); it runs "
             "inline in its parent's forward"
         )
+    refusal = forward_replaced(parent, patcher) or layer_norm_refusal(parent.LayerNorm, "LayerNorm", patcher)
+    if not refusal:
+        refusal = _post_norm_difference(type(parent))
+    if refusal:
+        return Support.no(refusal)
     patcher.set_forward(parent, _post_norm_forward(kernel), owner=KEY)
     return Support.yes()
+
+
+def _post_norm_difference(cls: type) -> str:
+    """'' when `cls.forward` is BertSelfOutput's (`POST_NORM`); else the reason, naming the statement that differs."""
+    name = f"{cls.__name__}.forward"
+    source = read_source(cls.forward)
+    if source is None:
+        return f"the source of {name} cannot be read"
+    if source.signature != (("self", "hidden_states", "input_tensor"), None, (), None, ()):
+        return f"{name} takes ({', '.join(source.params)}), not (hidden_states, input_tensor)"
+    return difference(source, template(POST_NORM), name, "BertSelfOutput.forward")
 
 
 def _post_norm_forward(kernel: Callable[..., tuple]) -> Callable[..., torch.Tensor]:
@@ -122,11 +137,9 @@ def _post_norm_forward(kernel: Callable[..., tuple]) -> Callable[..., torch.Tens
     training mode: the kernel keeps no autograd history)."""
 
     def forward(self: nn.Module, hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
-        if self.training:
-            return type(self).forward(self, hidden_states, input_tensor)
         h = self.dropout(self.dense(hidden_states))
         norm = self.LayerNorm
         out, _ = kernel(h, input_tensor, norm.weight, norm.bias, norm.eps)
         return out
 
-    return forward
+    return unless_training(forward)

@@ -19,12 +19,13 @@ from fusionscope.apply.layers import (
     NormState,
     NotPatchable,
     final_norm_forward,
+    layer_form,
     layer_forward,
     layer_shape,
     norm_spec,
-    positional_names,
 )
 from fusionscope.apply.patching import Support
+from fusionscope.apply.source import forward_replaced
 from fusionscope.fusions.base import Graph, Match, row_micro_case
 from fusionscope.fusions.rms_norm import is_residual_add, norm_chain
 
@@ -110,12 +111,12 @@ def _locate(patcher: Patcher, path: str) -> _Site:
     norm = patcher.module(path)
     if norm is None:
         raise NotPatchable(f"no module at {path!r}")
-    norm_spec(norm)
+    norm_spec(norm, patcher)
     parent_path, _, attr = path.rpartition(".")
     parent = patcher.module(parent_path)
     stack, index, owner = _stack_of(patcher, parent_path)
     try:
-        shape = layer_shape(parent)
+        shape = layer_shape(parent, patcher)
     except NotPatchable as why:
         if stack is not None:  # a layer of a stack, of a structure the rewrite does not know: say what is wrong
             raise
@@ -132,7 +133,7 @@ def _locate(patcher: Patcher, path: str) -> _Site:
     if stack is None or index == 0:
         raise NotPatchable("this input norm follows no decoder layer's residual add (it is the rms_norm fusion's site)")
     giver = stack[index - 1]
-    layer_shape(giver)
+    layer_shape(giver, patcher)
     return _Site("input", norm, layer=parent, giver=giver, stack=stack, config=getattr(owner, "config", None))
 
 
@@ -165,11 +166,11 @@ def _final_site(norm: nn.Module, owner: nn.Module) -> _Site | None:
 
 
 def _unowned(patcher: Patcher, site: _Site) -> _Site:
-    """The site, once no fusion has rewritten a forward it must rewrite or of a norm it fuses away."""
+    """The site, once nothing has replaced a forward it must rewrite or of a norm it fuses away."""
     for module in (site.norm, site.layer, site.giver):
-        owner = patcher.forward_owner(module) if module is not None else None
-        if owner is not None:
-            raise NotPatchable(f"the forward of {type(module).__name__} is already rewritten by the {owner} fusion")
+        replaced = forward_replaced(module, patcher) if module is not None else ""
+        if replaced:
+            raise NotPatchable(replaced)
     return site
 
 
@@ -190,15 +191,14 @@ def _rewrite(patcher: Patcher, sites: dict[str, _Site], state: NormState, kernel
             if site.role == "input":
                 roles_of(site.layer, site).take = True
             else:
-                carry = state.carry(site.stack)
-                forward = final_norm_forward(carry, norm_spec(site.norm), kernels, site.norm.forward)
+                forward = final_norm_forward(state.carry(site.stack), norm_spec(site.norm), kernels)
                 patcher.set_forward(site.norm, forward, KEY)
     for layer, r in roles.values():
-        shape = layer_shape(layer)
+        form = layer_form(layer)
         carry = state.carry(layer if r.stack is None else r.stack)
         plan = LayerPlan(
-            shape=shape, take=r.take, fuse=r.fuse, give=r.give, carry=carry,
-            input_spec=norm_spec(layer.input_layernorm), added_spec=norm_spec(getattr(layer, shape.added_norm)),
-            arg_names=positional_names(layer), config=r.config,
+            form=form, take=r.take, fuse=r.fuse, give=r.give, carry=carry,
+            input_spec=norm_spec(layer.input_layernorm), added_spec=norm_spec(getattr(layer, form.shape.added_norm)),
+            config=r.config,
         )  # fmt: skip
         patcher.set_forward(layer, layer_forward(plan, kernels), KEY)

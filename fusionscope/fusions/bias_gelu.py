@@ -23,7 +23,7 @@ from fusionscope.apply.patching import Support
 from fusionscope.dataflow import LEAF
 from fusionscope.fusions.base import Graph, Match, rows_and_width
 from fusionscope.fusions.gelu_and_mul import gating_muls
-from fusionscope.fusions.linear_act import activation_of
+from fusionscope.fusions.linear_act import activation_nodes
 
 if TYPE_CHECKING:
     from fusionscope.apply.patching import Patcher
@@ -48,7 +48,7 @@ def _bias_add(graph: Graph, node: int) -> bool:
 def find(graph: Graph) -> list[Match]:
     matches = []
     for add in (n for n, name in graph.name.items() if name == "aten::add"):
-        if not _bias_add(graph, add) or (found := activation_of(graph, add)) is None:
+        if not _bias_add(graph, add) or (found := activation_nodes(graph, add)) is None:
             continue
         act, out = found
         if not any(graph.name.get(n) in ("aten::gelu", "aten::tanh", "aten::erf") for n in act) or gating_muls(

@@ -19,18 +19,21 @@ Patching (`patch`): the GEMM module's parent gets a forward that calls the kerne
 and then runs the modules the parent applies after them. The parents known by their children (`LAYOUTS`): GPT-2's
 MLP (`c_fc` → `act` → `c_proj` → `dropout`) and BERT's intermediate (`dense` → `intermediate_act_fn`) and LM-head
 transform (`dense` → `transform_act_fn` → `LayerNorm`). A GEMM is an `nn.Linear` (weight (N, K)) or transformers'
-`Conv1D` (weight (K, N): the kernel is given its transposed view, no copy); the activation module is named in
-`ACTIVATIONS`.
+`Conv1D` (weight (K, N): the kernel is given its transposed view, no copy); the activation module is one
+`activation_kind` names, by its exact class. The parent's forward must be, statement for statement, `x =
+self.<child>(x)` for each child in order and `return x` (`fusionscope.apply.source`): a forward that scales, adds or
+calls anything else is refused at the statement that differs. In training mode the class's forward runs.
 """
 
 from __future__ import annotations
 
-import inspect
+import ast
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fusionscope.apply.patching import Support
+from fusionscope.apply.source import difference, forward_replaced, read_source, template, unless_training
 from fusionscope.fusions.base import Graph, Match
 from fusionscope.fusions.gelu_and_mul import gating_muls
 
@@ -81,7 +84,7 @@ def _chain(graph: Graph, x: int) -> set[int]:
     return group
 
 
-def activation_of(graph: Graph, x: int) -> tuple[set[int], int] | None:
+def activation_nodes(graph: Graph, x: int) -> tuple[set[int], int] | None:
     """The activation reading `x` (its only reader: one op, or a decomposed GELU chain) and its output node, or
     None."""
     readers = set(graph.consumers.get(x, ()))
@@ -110,7 +113,7 @@ def find(graph: Graph) -> list[Match]:
         if graph.name.get(gemm) == "aten::mm" and is_bias:  # + a parameter of its own: the bias
             group.add(bias)
             x = bias
-        found = activation_of(graph, x)
+        found = activation_nodes(graph, x)
         if found is None:
             continue
         act, out = found
@@ -143,8 +146,8 @@ def micro_case(graph: Graph, match: Match) -> Case | None:
 
 @dataclass(frozen=True)
 class Layout:
-    """A parent module that computes `after(act(gemm(x)))`: the attribute names, which are its only children and
-    the only names its forward reads (`forward_names`)."""
+    """A parent module whose forward computes `after(act(gemm(x)))`, one call per statement (`statements`): the
+    attribute names, which are its only children."""
 
     gemm: str
     act: str
@@ -154,13 +157,13 @@ class Layout:
     def names(self) -> tuple[str, ...]:
         return (self.gemm, self.act, *self.after)
 
+    def statements(self) -> tuple[ast.stmt, ...]:
+        """The forward's body: `hidden_states = self.<name>(hidden_states)` for each name, then the return."""
+        calls = [f"hidden_states = self.{name}(hidden_states)" for name in self.names]
+        return template("\n".join([*calls, "return hidden_states"]))
 
-def forward_names(module: object) -> tuple[str, ...]:
-    """The attribute and global names its class's forward reads, in order of first use (decorators unwrapped), then
-    any number it uses: a forward that does more than call its children (`torch.tanh`, `self.scale`, `* 2`) shows it
-    here."""
-    code = inspect.unwrap(type(module).forward).__code__
-    return code.co_names + tuple(repr(c) for c in code.co_consts if c is not None and not isinstance(c, str))
+    def describe(self) -> str:
+        return " → ".join(self.names)
 
 
 LAYOUTS = (
@@ -168,20 +171,58 @@ LAYOUTS = (
     Layout("dense", "intermediate_act_fn"),  # BertIntermediate and its copies
     Layout("dense", "transform_act_fn", ("LayerNorm",)),  # BertPredictionHeadTransform
 )
-# Activation modules by class name -> the kernel's activation. FastGELU is the tanh GELU with √(2/π) rounded to
-# 0.7978845608; GELUActivation is the erf GELU (both of its variants); nn.GELU is looked up by its `approximate`.
-ACTIVATIONS = {
-    "NewGELUActivation": "gelu_tanh", "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh",
-    "FastGELUActivation": "gelu_tanh", "GELUActivation": "gelu", "ReLU": "relu", "SiLU": "silu",
-    "SiLUActivation": "silu",
+
+
+def layout_of(parent: nn.Module) -> Layout | str:
+    """The layout whose children the parent holds and whose statements its class's forward is, one for one; else the
+    reason, naming the statement that differs."""
+    cls = type(parent)
+    children = sorted(n for n, _ in parent.named_children())
+    held = [lay for lay in LAYOUTS if sorted(lay.names) == children]
+    refused = f"{cls.__name__}.forward is not a layout the patch knows"
+    if not held:
+        return f"{refused} ({', '.join(lay.describe() for lay in LAYOUTS)}, and nothing else)"
+    source = read_source(cls.forward)
+    if source is None:
+        return f"{refused}: its source cannot be read"
+    if source.signature != (("self", "hidden_states"), None, (), None, ()):
+        return f"{refused}: it takes ({', '.join(source.params)}), not (self, hidden_states)"
+    reasons = []
+    for lay in held:
+        reason = difference(source, lay.statements(), f"{cls.__name__}.forward", lay.describe())
+        if not reason:
+            return lay
+        reasons.append(reason)
+    return f"{refused}: {'; '.join(reasons)}"
+
+
+# Activation modules by exact class -> the function they compute, in the kernels' names (linear_act's epilogues,
+# silu_and_mul / gelu_and_mul's GLUs). transformers.activations' classes are looked up by name in that module only (a
+# class of the same name elsewhere may compute anything); PytorchGELUTanh is GELUTanh. NewGELU, FastGELU (√(2/π)
+# rounded to 0.7978845608) and the `*_python` variants compute the same function in several rounded ops: the fused
+# kernel rounds once, so their outputs agree within the dtype's tolerance, not bit for bit. nn.GELU is looked up by
+# its `approximate`.
+HF_ACTIVATIONS = {
+    "NewGELUActivation": "gelu_tanh", "GELUTanh": "gelu_tanh", "FastGELUActivation": "gelu_tanh",
+    "GELUActivation": "gelu", "SiLUActivation": "silu",
 }  # fmt: skip
 
 
-def activation_name(module: object) -> str | None:
-    """The kernel's name for an activation module, or None when the kernel has no such epilogue."""
-    if type(module).__name__ == "GELU" and hasattr(module, "approximate"):
-        return {"none": "gelu", "tanh": "gelu_tanh"}.get(module.approximate)
-    return ACTIVATIONS.get(type(module).__name__)
+def activation_kind(act: object) -> str | None:
+    """The function an activation module computes ("gelu", "gelu_tanh", "relu", "silu"), by its exact class (a
+    subclass may compute anything else); None for any other."""
+    from torch import nn
+
+    kind = type(act)
+    if kind is nn.GELU:
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(act.approximate)
+    if kind is nn.SiLU:
+        return "silu"
+    if kind is nn.ReLU:
+        return "relu"
+    if kind.__module__ == "transformers.activations":
+        return HF_ACTIVATIONS.get(kind.__name__)
+    return None
 
 
 def patch(patcher: Patcher, paths: list[str]) -> dict[str, Support]:
@@ -202,19 +243,23 @@ def _patch_one(patcher: Patcher, path: str, kernel: Callable[..., torch.Tensor])
     parent = patcher.module(parent_path) if gemm is not None and path else None
     if parent is None:
         return Support.no("the model has no GEMM module with a parent at this path")
-    children, names = sorted(n for n, _ in parent.named_children()), forward_names(parent)
-    layout = next((lay for lay in LAYOUTS if lay.names == names and sorted(names) == children), None)
-    if layout is None or layout.gemm != name:
-        return Support.no(
-            f"{type(parent).__name__}.forward is not a layout the patch knows (c_fc → act → c_proj → dropout, "
-            "dense → intermediate_act_fn, dense → transform_act_fn → LayerNorm, and nothing else)"
-        )
-    if not isinstance(gemm, nn.Linear | Conv1D):
+    replaced = forward_replaced(parent, patcher)
+    if replaced:
+        return Support.no(replaced)
+    layout = layout_of(parent)
+    if isinstance(layout, str):
+        return Support.no(layout)
+    if layout.gemm != name:
+        return Support.no(f"{name} is not the GEMM of {type(parent).__name__} ({layout.describe()})")
+    if not isinstance(gemm, nn.Linear | Conv1D) or type(gemm).forward not in (nn.Linear.forward, Conv1D.forward):
         return Support.no(f"{type(gemm).__name__} is neither nn.Linear nor Conv1D")
-    activation = activation_name(getattr(parent, layout.act))
+    act = getattr(parent, layout.act)
+    replaced = forward_replaced(gemm, patcher) or (isinstance(act, nn.Module) and forward_replaced(act, patcher))
+    if replaced:
+        return Support.no(replaced)
+    activation = activation_kind(act)
     if activation is None:
-        act = type(getattr(parent, layout.act)).__name__
-        return Support.no(f"the kernel has no epilogue for {act} (it has gelu, gelu_tanh, relu, silu)")
+        return Support.no(f"the kernel has no epilogue for {type(act).__name__} (it has gelu, gelu_tanh, relu, silu)")
     patcher.set_forward(parent, _fused_forward(layout, activation, isinstance(gemm, Conv1D), kernel), owner=KEY)
     return Support.yes()
 
@@ -224,11 +269,9 @@ def _fused_forward(
 ) -> Callable[..., torch.Tensor]:
     """The parent's forward with GEMM, bias and activation in one kernel call, then its `after` modules. Conv1D keeps
     W as (K, N): `W.t()` is the (N, K) view the kernel takes (strides (1, N); it reads any strides). In training mode
-    the class's own forward runs (the kernel keeps no autograd history)."""
+    the class's own forward runs (`unless_training`: the kernel keeps no autograd history)."""
 
     def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.training:
-            return type(self).forward(self, hidden_states)
         gemm = getattr(self, layout.gemm)
         weight = gemm.weight.t() if transposed else gemm.weight
         h = kernel(hidden_states, weight, gemm.bias, activation)
@@ -236,4 +279,4 @@ def _fused_forward(
             h = getattr(self, name)(h)
         return h
 
-    return forward
+    return unless_training(forward)

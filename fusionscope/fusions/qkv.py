@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from fusionscope.apply.patching import Patcher, Support
+from fusionscope.apply.source import forward_replaced, unless_training
 from fusionscope.dataflow import LEAF
 from fusionscope.fusions.base import Graph, Match
 
@@ -147,10 +148,15 @@ class FusedProjections:
 
     The first projection called on an input computes every projection at once (one GEMM over the weights that
     `fuse_linears` concatenated, the outputs views of its result) and keeps the others' outputs, each with the input
-    tensor it was computed from and that tensor's version counter; a projection called with that same tensor object,
-    unmodified, returns its kept view, any other call computes the group again. So the model's forward, which calls
-    each projection on the same `hidden_states`, runs one GEMM per group instead of n, in whichever order it calls
-    them, and a call on any other input is still exact."""
+    tensor it was computed from and that tensor's version counter (`_version`); a projection called with that same
+    tensor object, unmodified, returns its kept view once, any other call computes the group again and replaces
+    everything kept. So the model's forward, which calls each projection on the same `hidden_states`, runs one GEMM
+    per group instead of n, in whichever order it calls them, and a call on any other input is still exact.
+
+    The projection that computes the group never keeps its own output, so while a model calls its projections in one
+    order (Hugging Face's attention: q_proj, k_proj, v_proj, back to back on one `hidden_states`), every forward's
+    first call recomputes the group and drops whatever an earlier forward left. In training mode each projection runs
+    nn.Linear's forward on its own weight (`unless_training`), so gradients reach the original Parameters."""
 
     def __init__(self, fused: nn.Linear, sizes: list[int]) -> None:
         self.fused = fused  # holds the fused weight (ΣN, K) and bias (ΣN,) the originals are views of
@@ -170,8 +176,14 @@ class FusedProjections:
 
 
 def _version(x: torch.Tensor) -> int:
-    """x's version counter; inference tensors (`torch.inference_mode`, how fusionscope runs models) have none, and
-    cannot be written in place outside inference mode, so identity alone tells them apart there (-1)."""
+    """x's version counter, which every in-place write bumps; -1 for an inference tensor (made under
+    `torch.inference_mode`, how fusionscope runs models), which has none. For those only identity is checked: inside
+    inference mode an inference tensor can be written in place, and a write to the input between the call that
+    computed the group and a later projection's call on the same tensor is not seen — that projection returns the
+    output of the input as it was. Hugging Face's attention forwards write nothing there (the projections are called
+    back to back), and a write before the next forward's first projection call is harmless: that call recomputes
+    the group (`FusedProjections`). Code that calls the fused projections itself, with in-place writes between
+    them, under inference mode, gets stale outputs."""
     return -1 if x.is_inference() else x._version
 
 
@@ -181,7 +193,7 @@ def projection_forward(group: FusedProjections, index: int) -> Callable[..., tor
     def forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
         return group.output(index, input)
 
-    return forward
+    return unless_training(forward)
 
 
 @torch.no_grad()
@@ -202,8 +214,9 @@ def _refusal(patcher: Patcher, linears: list[nn.Module | None], names: tuple[str
             return f"it has no {name}"
         if type(linear).forward is not nn.Linear.forward:
             return f"its {name} is a {type(linear).__name__}, not a plain nn.Linear"
-        if "forward" in vars(linear) or patcher.forward_owner(linear) is not None:
-            return f"its {name}'s forward is already replaced ({patcher.forward_owner(linear) or 'outside'})"
+        replaced = forward_replaced(linear, patcher)
+        if replaced:
+            return f"its {name}: {replaced}"
         if linear.weight.is_meta:
             return f"its {name} has no weights yet (meta device)"
     if len({id(linear.weight) for linear in linears}) != len(linears):

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from fusionscope.apply.layers import NormSpec, NormState, NotPatchable, norm_spec
 from fusionscope.apply.patching import Support
+from fusionscope.apply.source import forward_replaced, unless_training
 from fusionscope.fusions.base import Graph, Match, row_micro_case
 
 if TYPE_CHECKING:
@@ -138,19 +139,20 @@ def _site(patcher: Patcher, path: str) -> tuple[nn.Module, NormSpec]:
     norm = patcher.module(path)
     if norm is None:
         raise NotPatchable(f"no module at {path!r}")
-    owner = patcher.forward_owner(norm)
-    if owner is not None:
-        raise NotPatchable(f"the forward of {type(norm).__name__} is already rewritten by the {owner} fusion")
+    replaced = forward_replaced(norm, patcher)
+    if replaced:
+        raise NotPatchable(replaced)
     shared: NormState | None = patcher.state.get("add_rms_norm")
     if shared is not None and id(norm) in shared.fused:
         raise NotPatchable("add_rms_norm already fuses this norm with the residual add before it")
-    return norm, norm_spec(norm)
+    return norm, norm_spec(norm, patcher)
 
 
-def _forward(spec: NormSpec, kernels: Any) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
+def _forward(spec: NormSpec, kernels: Any) -> Callable[..., torch.Tensor]:
+    """The norm's forward as one kernel call (eval mode; in training mode, the class's forward)."""
     eps_attr, offset = spec.eps_attr, spec.offset
 
     def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
         return kernels.rms_norm(hidden_states, self.weight, getattr(self, eps_attr), offset)
 
-    return forward
+    return unless_training(forward)

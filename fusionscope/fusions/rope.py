@@ -129,7 +129,7 @@ def patch(patcher: Patcher, paths: list[str]) -> dict[str, Support]:
     `fusionscope.kernels.rope` launch (`fusionscope.apply.attention`). The cache write is not fused: under a
     DynamicCache it is a growing `torch.cat` that stays with the cache object; `rope_and_cache` needs a static cache
     (`--graphs`). Attention forwards that differ from the Llama shape (Phi-3's fused qkv_proj, ...) are refused with
-    the statement that differs."""
+    the statement that differs; in training mode the class's forward runs."""
     from fusionscope.apply.attention import patch_rope
 
     results = {}

@@ -11,7 +11,10 @@ from collections.abc import Callable
 from functools import cache, partial
 from typing import TYPE_CHECKING, Any
 
+from torch import nn
+
 from fusionscope.apply.patching import Patcher, Support
+from fusionscope.apply.source import KERNEL_DTYPES, forward_replaced, read_source, statement_key, unless_training
 from fusionscope.fusions.base import Graph, Match, row_micro_case
 
 if TYPE_CHECKING:
@@ -54,30 +57,21 @@ LLAMA_MLP = ("down_proj = self.down_proj(self.act_fn(self.gate_proj({x})) * self
 PHI3_MLP = ("up_states = self.gate_up_proj({x})", "gate, up_states = up_states.chunk(2, dim=-1)",
             "up_states = up_states * self.activation_fn(gate)", "return self.down_proj(up_states)")  # fmt: skip
 
-# transformers.activations class name -> (fusion, F.gelu's approximate); PytorchGELUTanh is GELUTanh. NewGELU and the
-# `*_python` variants compute the same function in several rounded ops: the fused kernel rounds once, so their
-# outputs agree within the dtype's tolerance, not bit for bit.
-HF_ACTIVATIONS: dict[str, tuple[str, str]] = {
-    "SiLUActivation": ("silu_and_mul", ""),
-    "GELUTanh": ("gelu_and_mul", "tanh"),
-    "NewGELUActivation": ("gelu_and_mul", "tanh"),
-    "GELUActivation": ("gelu_and_mul", "none"),
+# the activation, as `fusionscope.fusions.linear_act.activation_kind` names it -> (fusion, F.gelu's approximate)
+GLU_KERNELS: dict[str, tuple[str, str]] = {
+    "silu": ("silu_and_mul", ""),
+    "gelu_tanh": ("gelu_and_mul", "tanh"),
+    "gelu": ("gelu_and_mul", "none"),
 }
 
 
-def activation_of(act: object) -> tuple[str, str] | None:
-    """(fusion, approximate) for the MLP's activation module, by its exact class (a subclass may compute anything
-    else); None when no bundled GLU kernel computes it."""
-    from torch import nn
+def glu_kernel_of(act: object) -> tuple[str, str] | None:
+    """(fusion, approximate) for the MLP's activation module (looked up by its exact class in the activation table
+    linear_act's epilogues use too); None when no bundled GLU kernel computes it."""
+    from fusionscope.fusions.linear_act import activation_kind
 
-    kind = type(act)
-    if kind is nn.SiLU:
-        return "silu_and_mul", ""
-    if kind is nn.GELU:
-        return "gelu_and_mul", act.approximate
-    if kind.__module__ == "transformers.activations":
-        return HF_ACTIVATIONS.get(kind.__name__)
-    return None
+    kind = activation_kind(act)
+    return GLU_KERNELS.get(kind) if kind is not None else None
 
 
 @cache
@@ -85,12 +79,10 @@ def mlp_layout(cls: type) -> tuple[str, str] | str:
     """("llama" | "phi3", activation attribute) when the MLP class's forward is one the patch reproduces: Llama's
     `down_proj(act_fn(gate_proj(x)) * up_proj(x))` or Phi-3's `gate_up_proj` → chunk → `up * act(gate)` →
     `down_proj`; else the reason."""
-    from fusionscope.apply.attention import read_source, statement_key
-
     source = read_source(cls.forward)
     if source is None:
         return f"the source of {cls.__name__}.forward cannot be read"
-    if len(source.params) != 2 or source.varargs or source.varkw or source.decorators:
+    if len(source.params) != 2 or source.varargs or source.kwonly or source.varkw or source.decorators:
         return f"{cls.__name__}.forward takes ({', '.join(source.params)}), not one input"
     statements = tuple(source.key(i) for i in range(len(source.statements)))
     for layout, template, act in (("llama", LLAMA_MLP, "act_fn"), ("phi3", PHI3_MLP, "activation_fn")):
@@ -102,7 +94,7 @@ def mlp_layout(cls: type) -> tuple[str, str] | str:
 def glu_forward(layout: str, kernel: Callable[..., Any]) -> Callable[..., Any]:
     """The MLP forward with `act(gate) * up` as one `kernel(gate, up)` launch (kernel: silu_and_mul or gelu_and_mul
     with its `approximate` bound). The projections are called as modules, so the gate_up fusion's swap of them runs.
-    x: (..., hidden) -> (..., hidden)."""
+    x: (..., hidden) -> (..., hidden). In training mode, the class's forward."""
     if layout == "phi3":
 
         def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
@@ -113,24 +105,25 @@ def glu_forward(layout: str, kernel: Callable[..., Any]) -> Callable[..., Any]:
         def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
             return self.down_proj(kernel(self.gate_proj(x), self.up_proj(x)))
 
-    return forward
+    return unless_training(forward)
 
 
 def glu_support(patcher: Patcher, path: str, fusion: str) -> tuple[str, str] | str:
     """(layout, approximate) when the MLP at `path` can take `fusion`'s kernel; else the reason."""
-    from fusionscope.apply.attention import KERNEL_DTYPES
-
     mlp = patcher.module(path)
     if mlp is None:
         return "the model has no module at this path"
-    if "forward" in vars(mlp) or patcher.forward_owner(mlp) is not None:
-        return f"this {type(mlp).__name__}'s forward is already replaced ({patcher.forward_owner(mlp) or 'outside'})"
+    replaced = forward_replaced(mlp, patcher)
+    if replaced:
+        return replaced
     layout = mlp_layout(type(mlp))
     if isinstance(layout, str):
         return layout
     layout, act_name = layout
     act = getattr(mlp, act_name, None)
-    kind = activation_of(act)
+    if isinstance(act, nn.Module) and forward_replaced(act):
+        return f"its activation: {forward_replaced(act)}"
+    kind = glu_kernel_of(act)
     if kind is None:
         return f"its activation {type(act).__name__} has no fused GLU kernel (silu, gelu tanh or exact only)"
     if kind[0] != fusion:
