@@ -266,7 +266,8 @@ def print_summary(summary: dict) -> None:
 
     model, device = summary.get("model", {}), summary.get("device", {})
     plans = summary.get("cumulative") or {}
-    table = Table(title=f"{model.get('name')} on {device.get('name')} ({model.get('dtype')})")
+    table = Table(title=f"{model.get('name')} on {device.get('name') or 'an unnamed device'} "
+                        f"({model.get('dtype') or 'dtype not recorded'})")  # fmt: skip
     text_columns = ("phase", "regime (measured)", "paced by (model)", "top kernel (share)")
     for col in ("phase", "ms/step", "unprof.", "GPU busy", "kernels", "µs/kern", *text_columns[1:]):
         table.add_column(
@@ -376,6 +377,91 @@ def apply(
     out.print(f"report: {run.report_path}   ({time.perf_counter() - t0:.1f} s in all)")
 
 
+@app.command()
+def diff(
+    run_a: Annotated[Path, typer.Argument(help="run folder A (before)")],
+    run_b: Annotated[Path, typer.Argument(help="run folder B (after)")],
+    out_dir: Annotated[
+        Path | None, typer.Option("--out", help="folder to create (default reports/diff-<time>)")
+    ] = None,
+) -> None:
+    """Compare two run folders: per phase step time, GPU time, kernels; per category, per fusion; kernels gone/new."""
+    from fusionscope.diff import diff_runs, load_pair
+    from fusionscope.report.diff_page import render_diff_page
+    from fusionscope.run import check_out_dir, default_out_dir, staged_dir, write_json
+
+    with usage_errors():
+        run_a_, run_b_ = load_pair(run_a, run_b)
+        folder = out_dir or default_out_dir("diff")
+        check_out_dir(folder)
+        result = diff_runs(run_a_, run_b_)
+        with staged_dir(folder) as tmp:
+            write_json(tmp / "diff.json", result)
+            (tmp / "diff.html").write_text(render_diff_page(result), encoding="utf-8")
+    print_diff(result)
+    out.print(f"diff: {folder}/diff.json, {folder}/diff.html")
+
+
+def print_diff(result: dict, top: int = 10) -> None:
+    """The diff tables: per phase A, B, Δ, ratio; per category and per fusion; the kernels that appeared or vanished."""
+
+    def fmt(value: float | None, spec: str = ".3f") -> str:
+        return "—" if value is None else format(value, spec)
+
+    def signed(value: float | None, spec: str = ".3f") -> str:
+        return "—" if value is None else format(value, "+" + spec)
+
+    for note in result.get("notes", []):
+        out.print(f"note: {note}")
+    labels = {"wall_ms_per_step_unprofiled": "wall ms/step (unprof.)", "gpu_busy_ms_per_step": "GPU busy ms/step",
+              "kernels_per_step": "kernels/step", "ops_per_step": "aten ops/step"}  # fmt: skip
+    table = Table(title=f"diff: A {result['a']['path']} → B {result['b']['path']} (Δ = B − A, ratio = B ÷ A)")
+    for col in ("phase", "metric", "A", "B", "Δ", "ratio"):
+        table.add_column(col, justify="left" if col in ("phase", "metric") else "right")
+    phases = result.get("phases", {})
+    for name, ph in phases.items():
+        where = {"a_only": " (only in A)", "b_only": " (only in B)"}.get(ph["present"], "")
+        for key, label in labels.items():
+            d = ph["metrics"][key]
+            if d["a"] is None and d["b"] is None:
+                continue
+            spec = ".3f" if "ms" in label else ".1f"
+            table.add_row(name + where, label, fmt(d["a"], spec), fmt(d["b"], spec), signed(d["delta"], spec),
+                          "—" if d["ratio"] is None else f"{d['ratio']:.3f}×")  # fmt: skip
+    out.print(table)
+    cats = Table(title="kernel time by category (µs/step)")
+    for col in ("phase", "category", "A", "B", "Δ", "ratio"):
+        cats.add_column(col, justify="left" if col in ("phase", "category") else "right")
+    for name, ph in phases.items():
+        for cat, d in ph["categories"].items():
+            cats.add_row(name, cat, fmt(d["a"], ".1f"), fmt(d["b"], ".1f"), signed(d["delta"], ".1f"),
+                         "—" if d["ratio"] is None else f"{d['ratio']:.3f}×")  # fmt: skip
+    out.print(cats)
+    if any(ph["fusions"] for ph in phases.values()):
+        fus = Table(title="fusions found (groups per step, µs per step now; vanished in B: what applying it did)")
+        for col in ("phase", "fusion", "status", "count A", "count B", "µs A", "µs B", "Δ µs"):
+            fus.add_column(col, justify="left" if col in ("phase", "fusion", "status") else "right")
+        for name, ph in phases.items():
+            for row in ph["fusions"]:
+                status = {"a_only": "phase only in A", "b_only": "phase only in B"}.get(row["status"], row["status"])
+                fus.add_row(name, row["fusion"], status, fmt(row["count_a"], ".0f"),
+                            fmt(row["count_b"], ".0f"), fmt(row["us_a"], ".1f"), fmt(row["us_b"], ".1f"),
+                            signed(row["delta_us"], ".1f"))  # fmt: skip
+        out.print(fus)
+    changed = Table(title=f"kernels in one run only (top {top} per phase by µs/step)")
+    for col in ("phase", "", "kernel", "µs/step", "calls/step"):
+        changed.add_column(col, justify="right" if col in ("µs/step", "calls/step") else "left")
+    for name, ph in phases.items():
+        for word, key in (("appeared", "kernels_appeared"), ("vanished", "kernels_vanished")):
+            for row in ph[key][:top]:
+                changed.add_row(name, word, row["name"], fmt(row["us_per_step"], ".1f"),
+                                fmt(row["calls_per_step"], ".2g"))  # fmt: skip
+    if changed.row_count:
+        out.print(changed)
+    else:
+        out.print("kernels: the same kernel names in both runs in every phase they share", style="dim")
+
+
 def print_apply(result: dict) -> None:
     """The apply tables: per fusion where it was patched and its numerics; per variant measured vs predicted."""
 
@@ -446,6 +532,25 @@ def launch_cost(figures: dict) -> str:
     """`model→implied` host µs per fused launch (see `apply.run.phase_figures`), or empty."""
     model, implied = figures.get("model_us_per_fused_launch"), figures.get("implied_us_per_fused_launch")
     return f"{model:.0f}→{implied:.0f}" if model is not None and implied is not None else ""
+
+
+@app.command()
+def analyze(
+    path: Annotated[Path, typer.Argument(help="a torch.profiler / Kineto trace file (.json or .json.gz)")],
+    out_dir: OutOpt = None,
+    device: Annotated[
+        str | None, typer.Option(help="GPU name whose roofs to use (default: the trace's); cpu: this machine's CPU")
+    ] = None,
+) -> None:
+    """Analyse a trace another program captured (one rank): kernels, phases, classes and report, without re-running."""
+    from fusionscope.analyze import analyze as run_analyze
+
+    t0 = time.perf_counter()
+    run = run_with_progress("analysing", run_analyze, path=path, out=out_dir, device=device)
+    print_summary(run.summary)
+    for line in run.summary["missing"]:
+        out.print(f"not in the trace: {line}", style="dim")
+    out.print(f"report: {run.report_path}   ({time.perf_counter() - t0:.1f} s in all)")
 
 
 def main() -> None:

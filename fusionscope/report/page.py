@@ -129,6 +129,9 @@ def _run_card(summary: Mapping[str, Any]) -> str:
         ("datasheet", sheet_text),
         ("roofs", f"{_esc(roofs.get('source'))}, measured {html.escape(fmt_timestamp(roofs.get('measured_at')))}"),
     ]
+    missing = summary.get("missing") or []  # `analyze`: what the trace did not hold, so the analysis lacks
+    if missing:
+        items.append(("not in the trace", "<ul>" + "".join(f"<li>{_esc(m)}</li>" for m in missing) + "</ul>"))
     return f'<div class="card"><h3>Run</h3>{_dl(items)}</div>'
 
 

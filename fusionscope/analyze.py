@@ -1,0 +1,318 @@
+"""`analyze()`: the analysis `profile` makes, on a torch.profiler / Kineto trace someone else's program captured.
+
+It enters the pipeline at the trace (`trace.load_timeline` → `analysis.kernel_table` → `classify` →
+`analysis.summarize_phases`), on a CPU, without running anything of the program. A trace holds less than a
+fusionscope capture: no unprofiled step times, no dataflow (tensor identities), perhaps no shapes, no
+`ProfilerStep#N` markers or `fusionscope.phase:<name>` ranges, no measured roofs. What is absent is filled by the
+plainest stand-in (the whole trace as one step; one phase, `trace`; the GPU's datasheet when no measured roofs of
+it are cached) and listed in summary.json's `missing`, so no figure pretends to more than the trace holds.
+
+One rank per call: a folder of per-rank traces is refused for now.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+import time
+import zlib
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from fusionscope import analysis, datasheets, roofline
+from fusionscope.errors import UsageError
+from fusionscope.run import (
+    SCHEMA_VERSION,
+    Run,
+    check_out_dir,
+    command_line,
+    default_out_dir,
+    finish_run_folder,
+    staged_dir,
+    write_tables,
+)
+from fusionscope.trace import GPU_CATS, Timeline
+
+TRACE_PHASE = "trace"  # the one phase of a trace without fusionscope.phase ranges
+TRACE_COPY = "trace.json.gz"  # the run folder's copy, named as `profile` names its trace
+CPU_DEVICE = "cpu"  # --device cpu: this machine's CPU roofs (measured on first use, as `profile` does)
+EVENT_CATS = ("cpu_op", "kernel")
+NO_ROOF_COLUMNS = ("peak_tflops", "attainable_tflops", "frac_bandwidth", "frac_compute", "achieved_frac")
+
+MISSING_UNPROFILED_GPU = "unprofiled step times (the regime is judged against the profiled step)"
+MISSING_UNPROFILED_CPU = "unprofiled step times (the figures are the profiled step's)"
+MISSING_DATAFLOW = "tensor identities: the fusion catalogue needs a recorded dataflow, so opportunities are empty"
+MISSING_SHAPES = "recorded shapes: bytes/FLOPs not modelled"
+MISSING_STEPS = "ProfilerStep markers: the whole trace is one step"
+MISSING_PHASES = f'fusionscope.phase ranges: the whole trace is one phase, "{TRACE_PHASE}"'
+MISSING_MODULES = "nn.Module ranges: kernels and ops carry no module path"
+
+
+@dataclass(frozen=True)
+class TraceFacts:
+    """What the trace file says beyond its events: the GPU its kernels ran on (Kineto's `deviceProperties`)."""
+
+    path: Path
+    gpu_name: str | None
+    device_kind: str  # "cuda" when it holds GPU kernels, copies or memsets, else "cpu" (as `trace.Timeline` says)
+
+
+def analyze(
+    path: str | Path,
+    out: str | Path | None = None,
+    device: str | None = None,
+    on_stage: Callable[[str], None] | None = None,
+) -> Run:
+    """Analyse one trace file (`.json` or `.json.gz`) and write its run folder: kernels.csv, ops.csv,
+    opportunities.csv (empty: no dataflow), summary.json (with `missing`), report.html and a copy of the trace.
+
+    `device` names the GPU whose roofs classify the kernels (default: the one the trace names); `"cpu"` takes this
+    machine's CPU roofs for a CPU-only trace. Bad input is a UsageError before anything is written."""
+    from fusionscope import opportunities, trace
+
+    t_start = time.perf_counter()
+    note = on_stage or (lambda _msg: None)
+    facts = read_trace(Path(path))
+    name = trace_name(facts.path)
+    out_dir = Path(out) if out is not None else default_out_dir(name)
+    check_out_dir(out_dir)
+    roofs, roof_missing = resolve_roofs(facts.gpu_name, facts.device_kind, device)
+    note("loading the trace (HTA) and joining kernels to ops and modules")
+    timeline = trace.load_timeline(facts.path)
+    if timeline.ops.empty and timeline.kernels.empty:
+        raise UsageError(f"{facts.path} holds no profiled ops or kernels (an empty trace)")
+    timeline, missing = fill_steps_and_phases(timeline)
+    note("costing and classifying kernels")
+    kernels = classify(kernel_table(timeline), roofs)
+    summary = summarize(facts, name, timeline, kernels, roofs, [*missing, *roof_missing])
+    note("writing the tables")
+    with staged_dir(out_dir) as tmp:
+        write_tables(tmp, kernels, timeline.ops)
+        opportunities.opportunities_table([]).to_csv(tmp / "opportunities.csv", index=False)
+        copy_trace(facts.path, tmp / TRACE_COPY)
+        finish_run_folder(tmp, summary, kernels, t_start, on_stage)
+    return Run(out_dir=out_dir, summary=summary, kernels=kernels)
+
+
+def read_trace(path: Path) -> TraceFacts:
+    """Refuse, as one UsageError each, a missing path, a folder, a name that is not .json/.json.gz, a damaged gzip,
+    text that is not JSON, JSON that is not a profiler trace and a trace without ops or kernels; else return what
+    the file says about its GPU. The file is read whole once here: HTA's own errors on such files are a traceback
+    or a log line, not a reason."""
+    if not path.exists():
+        raise UsageError(f"trace not found: {path}")
+    if path.is_dir():
+        raise UsageError(f"{path} is a folder: multi-rank analysis is not there yet; pass one rank's trace file")
+    if not path.name.endswith((".json", ".json.gz")):
+        raise UsageError(f"{path} is not a .json or .json.gz trace file")
+    try:
+        raw = gzip.decompress(path.read_bytes()) if path.name.endswith(".gz") else path.read_bytes()
+    except (OSError, EOFError, zlib.error) as exc:
+        raise UsageError(f"cannot read {path}: truncated or damaged gzip ({exc})") from None
+    try:
+        doc = json.loads(raw)
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError
+        raise UsageError(f"{path} is not JSON") from None
+    events = doc.get("traceEvents") if isinstance(doc, dict) else None
+    if not isinstance(events, list):
+        raise UsageError(f"{path} is not a torch.profiler trace (no traceEvents)")
+    timed = [e for e in events if isinstance(e, dict) and e.get("ph") == "X" and e.get("cat") in EVENT_CATS]
+    if not timed:
+        raise UsageError(f"{path} holds no profiled ops or kernels (an empty trace)")
+    gpu = any(isinstance(e, dict) and e.get("cat") in GPU_CATS for e in events)
+    return TraceFacts(path=path, gpu_name=_gpu_name(doc.get("deviceProperties"), timed),
+                      device_kind="cuda" if gpu else "cpu")  # fmt: skip
+
+
+def _gpu_name(properties: object, events: list[dict]) -> str | None:
+    """The name of the device most kernels ran on (`args.device` ↔ `deviceProperties[].id`); the first listed
+    device when kernels carry no id; None for a CPU-only trace."""
+    listed = properties if isinstance(properties, list) else []
+    named = [p for p in listed if isinstance(p, dict) and p.get("name")]
+    used = Counter(e.get("args", {}).get("device") for e in events if e.get("cat") == "kernel")
+    if not named or not used:
+        return None
+    by_id = {p.get("id"): str(p["name"]) for p in named}
+    return next((by_id[d] for d, _ in used.most_common() if d in by_id), str(named[0]["name"]))
+
+
+def trace_name(path: Path) -> str:
+    """`worker0.1733.pt.trace.json.gz` → `worker0.1733`: the file name less Kineto's and fusionscope's suffixes."""
+    name = path.name.removesuffix(".gz").removesuffix(".json")
+    return name.removesuffix(".trace").removesuffix(".pt") or name
+
+
+def fill_steps_and_phases(timeline: Timeline) -> tuple[Timeline, list[str]]:
+    """Give a trace without `ProfilerStep#N` markers one step spanning all its events, and a trace without
+    `fusionscope.phase` ranges one phase, `trace`, holding every event inside a step (events outside every step
+    stay in the tables, in no phase, as in `profile`). Returns the new Timeline and what was filled in."""
+    ops, kernels, steps = timeline.ops.copy(), timeline.kernels.copy(), timeline.steps.copy()
+    missing: list[str] = []
+    if steps.empty:
+        timed = [frame for frame in (ops, kernels) if len(frame)]
+        starts = pd.concat([frame["ts_us"].astype(float) for frame in timed])
+        ends = pd.concat([(frame["ts_us"] + frame["dur_us"]).astype(float) for frame in timed])
+        rank = int(ops["rank"].iat[0]) if len(ops) else 0
+        steps = pd.DataFrame({"rank": [rank], "step": [0], "phase": [""], "ts_us": [starts.min()],
+                              "dur_us": [ends.max() - starts.min()]})  # fmt: skip
+        ops["step"], kernels["step"] = 0, 0
+        missing.append(MISSING_STEPS)
+    if not (steps["phase"] != "").any() and not (ops["phase"] != "").any():
+        steps["phase"] = TRACE_PHASE
+        ops.loc[ops["step"] >= 0, "phase"] = TRACE_PHASE
+        kernels.loc[kernels["step"] >= 0, "phase"] = TRACE_PHASE
+        missing.append(MISSING_PHASES)
+        timed = kernels if timeline.device_kind == "cuda" else ops
+        outside = int((timed["step"] < 0).sum())
+        if outside:
+            what = "kernels" if timeline.device_kind == "cuda" else "ops"
+            missing.append(f"{outside} {what} outside every ProfilerStep range: in kernels.csv, in no phase")
+    if not (ops["module"].fillna("") != "").any():
+        missing.append(MISSING_MODULES)
+    filled = Timeline(device_kind=timeline.device_kind, ops=ops, kernels=kernels, steps=steps)
+    return filled, missing
+
+
+def kernel_table(timeline: Timeline) -> pd.DataFrame:
+    """`analysis.kernel_table`, with the ops no cost model knows in category `other` on CPU timelines too (the GPU
+    path already does this): without shapes every op is such an op, and a NaN category is no JSON."""
+    kernels = analysis.kernel_table(timeline)
+    kernels["category"] = kernels["category"].fillna("other")
+    return kernels
+
+
+def resolve_roofs(gpu_name: str | None, device_kind: str, device: str | None) -> tuple[dict | None, list[str]]:
+    """The roofs to classify against, as summary.json's `roofs` (`source`: `cache` or `datasheet`), or None; and
+    what is missing. Order: measured roofs of the named device from the roofs cache, else (GPU traces) the
+    datasheet of that GPU, else none. `device` overrides the name; `cpu` takes this machine's CPU roofs."""
+    if device is not None and device.strip().lower() == CPU_DEVICE:
+        if device_kind == "cuda":
+            raise UsageError("--device cpu names this machine's CPU, but the trace ran kernels on a GPU")
+        import torch
+
+        from fusionscope.device import get_ceilings
+
+        return get_ceilings(torch.device("cpu")).to_json(), []
+    name = device or (gpu_name if device_kind == "cuda" else None)
+    no_roofs = "so kernels are `latency` (under 10 µs) or `unmodeled`"
+    if not name:
+        if device_kind == "cuda":
+            return None, [f"device roofs: the trace names no GPU (--device NAME picks one), {no_roofs}"]
+        hint = "--device cpu takes this machine's, --device NAME cached ones"
+        return None, [f"device roofs: a CPU trace does not name its CPU ({hint}), {no_roofs}"]
+    cached = cached_roofs(name, device_kind)
+    if cached is not None:
+        return cached, []
+    sheet = datasheets.lookup(name) if device_kind == "cuda" else None
+    if sheet is not None:
+        roofs = {"kind": "cuda", "name": name, "copy_gbps": sheet["gbps"], "read_heavy_gbps": sheet["gbps"],
+                 "tflops": dict(sheet["tflops"]), "launch_us": None, "aten_op_host_us": None, "datasheet": sheet,
+                 "measured_at": None, "versions": {}, "source": "datasheet"}  # fmt: skip
+        return roofs, [f"measured roofs of {name}: kernels are classed against its datasheet peaks, which kernels "
+                       "reach less of than measured roofs; host costs per launch and per op are unknown"]  # fmt: skip
+    known = "none cached and no datasheet" if device_kind == "cuda" else "none cached"
+    return None, [f"device roofs: {known} for '{name}', {no_roofs}"]
+
+
+def cached_roofs(name: str, kind: str) -> dict | None:
+    """The newest measured roofs in the roofs cache for a device of this name and kind, whatever the software
+    versions they were measured under (a trace does not say which torch captured it), or None."""
+    from fusionscope.device import ROOFS_VERSION, DeviceCeilings, cache_dir
+
+    best: DeviceCeilings | None = None
+    wanted = datasheets.normalize(name)
+    for file in sorted((cache_dir() / "roofs").glob(f"*_v{ROOFS_VERSION}.json")):
+        try:
+            ceilings = DeviceCeilings(**json.loads(file.read_text()))
+        except (OSError, ValueError, TypeError):
+            continue  # a damaged or older entry is no roof
+        same = datasheets.normalize(ceilings.name) == wanted and ceilings.kind == kind
+        if same and (best is None or ceilings.measured_at > best.measured_at):
+            best = ceilings
+    if best is None:
+        return None
+    roofs = {**best.to_json(), "source": "cache"}
+    if roofs.get("datasheet") is None and kind == "cuda":
+        roofs["datasheet"] = datasheets.lookup(name)
+    return roofs
+
+
+def peak_tflops(roofs: dict) -> dict[str, float]:
+    """Peaks by dtype as `DeviceCeilings.peak_tflops` gives them: fp32 kernels on TF32 only where this process
+    enabled TF32 matmuls (a trace does not record whether its program did)."""
+    import torch
+
+    peaks = {k: float(v) for k, v in (roofs.get("tflops") or {}).items() if v}
+    if torch.backends.cuda.matmul.allow_tf32 and peaks.get("tf32"):
+        peaks["float32"] = peaks["tf32"]
+    return peaks
+
+
+def classify(kernels: pd.DataFrame, roofs: dict | None) -> pd.DataFrame:
+    """`analysis.classify` against the roofs; without roofs only the 10 µs rule is known, so a kernel is `latency`
+    under it and `unmodeled` otherwise, and the fractions of roof are NaN (intensity and achieved rates stay)."""
+    if roofs is not None:
+        return analysis.classify(kernels, float(roofs["copy_gbps"]), peak_tflops(roofs))
+    out = analysis.classify(kernels, 1.0, {"float32": 1.0})
+    for col in NO_ROOF_COLUMNS:
+        out[col] = np.nan
+    short = pd.to_numeric(out["dur_us"], errors="coerce") < roofline.LATENCY_US
+    out["bound"] = np.where(short, "latency", "unmodeled").astype(object)
+    return out
+
+
+def summarize(facts: TraceFacts, name: str, timeline: Timeline, kernels: pd.DataFrame, roofs: dict | None,
+              missing: list[str]) -> dict:  # fmt: skip
+    """summary.json: `profile`'s keys where the trace holds the facts, plus `trace` (where it came from) and
+    `missing` (what it did not hold, so is not in the analysis)."""
+    from fusionscope import opportunities
+    from fusionscope.device import software_versions
+
+    gpu = timeline.device_kind == "cuda"
+    has_shapes = timeline.ops["input_dims"].map(lambda d: isinstance(d, list) and len(d) > 0).any()
+    missing = [MISSING_UNPROFILED_GPU if gpu else MISSING_UNPROFILED_CPU, MISSING_DATAFLOW, *missing]
+    if not has_shapes:
+        missing.append(MISSING_SHAPES)
+    ops_per_step = timeline.ops.groupby("phase").size() / timeline.steps.groupby("phase").size()
+    phases = analysis.summarize_phases(kernels, timeline.steps, {}, timeline.device_kind,
+                                       {str(k): float(v) for k, v in ops_per_step.dropna().items()})  # fmt: skip
+    summary = {
+        "schema": SCHEMA_VERSION,
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "command": command_line(),
+        "model": {"source": "trace", "name": name, "dtype": dominant_dtype(timeline.ops)},
+        "device": {"kind": timeline.device_kind, "name": facts.gpu_name or (roofs or {}).get("name")},
+        "versions": software_versions(),
+        "trace": {"path": str(facts.path.resolve()), "file": TRACE_COPY},
+        "roofs": roofs,
+        "cost_coverage": analysis.cost_coverage(kernels),
+        "phases": phases,
+    }
+    summary["opportunities"], summary["cumulative"] = opportunities.summarize_opportunities(
+        pd.DataFrame(), phases, roofs or {}
+    )
+    summary["missing"] = missing
+    return summary
+
+
+def dominant_dtype(ops: pd.DataFrame) -> str | None:
+    """The float dtype most ops compute in (`roofline.op_dtype` of their recorded input types); None without
+    shapes."""
+    dtypes = pd.Series([roofline.op_dtype(t) for t in ops["input_type"]], dtype=object).dropna()
+    return str(dtypes.mode().iat[0]) if len(dtypes) else None
+
+
+def copy_trace(source: Path, target: Path) -> None:
+    """Copy the trace into the run folder, gzipped as `profile`'s own trace is (Perfetto and HTA read both)."""
+    if source.name.endswith(".gz"):
+        shutil.copyfile(source, target)
+        return
+    with source.open("rb") as src, gzip.open(target, "wb") as dst:
+        shutil.copyfileobj(src, dst)
