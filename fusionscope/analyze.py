@@ -7,7 +7,9 @@ fusionscope capture: no unprofiled step times, no dataflow (tensor identities), 
 plainest stand-in (the whole trace as one step; one phase, `trace`; the GPU's datasheet when no measured roofs of
 it are cached) and listed in summary.json's `missing`, so no figure pretends to more than the trace holds.
 
-One rank per call: a folder of per-rank traces is refused for now.
+A folder of per-rank traces (or a list of files) is analysed rank by rank, each exactly as a single file is;
+`phases` holds the lowest rank's figures and `ranks` every rank's plus the cross-rank ones (`fusionscope.ranks`:
+steps, straggler, communication) and HTA's GPU idle time and launch statistics where HTA has data.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from fusionscope import analysis, datasheets, roofline
+from fusionscope import analysis, datasheets, ranks, roofline
 from fusionscope.errors import UsageError
 from fusionscope.run import (
     SCHEMA_VERSION,
@@ -65,7 +67,7 @@ class TraceFacts:
 
 
 def analyze(
-    path: str | Path,
+    path: str | Path | list[str | Path],
     out: str | Path | None = None,
     device: str | None = None,
     on_stage: Callable[[str], None] | None = None,
@@ -74,11 +76,14 @@ def analyze(
     opportunities.csv (empty: no dataflow), summary.json (with `missing`), report.html and a copy of the trace.
 
     `device` names the GPU whose roofs classify the kernels (default: the one the trace names); `"cpu"` takes this
-    machine's CPU roofs for a CPU-only trace. Bad input is a UsageError before anything is written."""
+    machine's CPU roofs for a CPU-only trace. A folder or a list of files is a multi-rank trace (`analyze_ranks`).
+    Bad input is a UsageError before anything is written."""
     from fusionscope import opportunities, trace
 
     t_start = time.perf_counter()
     note = on_stage or (lambda _msg: None)
+    if isinstance(path, list | tuple) or Path(path).is_dir():
+        return analyze_ranks(path, out, device, on_stage)
     facts = read_trace(Path(path))
     name = trace_name(facts.path)
     out_dir = Path(out) if out is not None else default_out_dir(name)
@@ -106,10 +111,15 @@ def read_trace(path: Path) -> TraceFacts:
     text that is not JSON, JSON that is not a profiler trace and a trace without ops or kernels; else return what
     the file says about its GPU. The file is read whole once here: HTA's own errors on such files are a traceback
     or a log line, not a reason."""
+    return parse_trace(path)[0]
+
+
+def parse_trace(path: Path) -> tuple[TraceFacts, dict]:
+    """`read_trace`, also returning the parsed trace document."""
     if not path.exists():
         raise UsageError(f"trace not found: {path}")
     if path.is_dir():
-        raise UsageError(f"{path} is a folder: multi-rank analysis is not there yet; pass one rank's trace file")
+        raise UsageError(f"{path} is a folder: pass it to analyze() as a folder of per-rank traces")
     if not path.name.endswith((".json", ".json.gz")):
         raise UsageError(f"{path} is not a .json or .json.gz trace file")
     try:
@@ -127,8 +137,9 @@ def read_trace(path: Path) -> TraceFacts:
     if not timed:
         raise UsageError(f"{path} holds no profiled ops or kernels (an empty trace)")
     gpu = any(isinstance(e, dict) and e.get("cat") in GPU_CATS for e in events)
-    return TraceFacts(path=path, gpu_name=_gpu_name(doc.get("deviceProperties"), timed),
-                      device_kind="cuda" if gpu else "cpu")  # fmt: skip
+    facts = TraceFacts(path=path, gpu_name=_gpu_name(doc.get("deviceProperties"), timed),
+                       device_kind="cuda" if gpu else "cpu")  # fmt: skip
+    return facts, doc
 
 
 def _gpu_name(properties: object, events: list[dict]) -> str | None:
@@ -299,7 +310,22 @@ def summarize(facts: TraceFacts, name: str, timeline: Timeline, kernels: pd.Data
         pd.DataFrame(), phases, roofs or {}
     )
     summary["missing"] = missing
+    summary["fused_kernels"] = fused_kernel_status(kernels, summary["opportunities"])
     return summary
+
+
+def fused_kernel_status(kernels: pd.DataFrame, opportunities: list[dict]) -> dict:
+    """What the trace already runs fused: each recognised kernel (Inductor's generated kernels by the ops their
+    names list, serving engines' and libraries' fused kernels by name; `fusionscope.fused_kernels`) and, per
+    catalogue entry and phase, whether it is active, missing (an opportunity was found) or not found."""
+    from fusionscope.fused_kernels import catalogue_status, recognise
+
+    if kernels.empty or "name" not in kernels:
+        return {"recognised": [], "catalogue": []}
+    recognised = recognise(kernels)
+    status = catalogue_status(recognised, opportunities)
+    return {"recognised": recognised.to_dict("records"),
+            "catalogue": [{k: v for k, v in row.items() if k != "opportunity"} for row in status]}  # fmt: skip
 
 
 def dominant_dtype(ops: pd.DataFrame) -> str | None:
@@ -316,3 +342,203 @@ def copy_trace(source: Path, target: Path) -> None:
         return
     with source.open("rb") as src, gzip.open(target, "wb") as dst:
         shutil.copyfileobj(src, dst)
+
+
+# --- a folder of per-rank traces -------------------------------------------------------------------------------
+
+RANK_COPY = "trace-rank{rank}.json.gz"  # the run folder's copies of the other ranks' traces
+
+
+@dataclass(frozen=True)
+class RankTrace:
+    """One rank's file, what it says about its device, and its intervals for the cross-rank figures."""
+
+    rank: int
+    facts: TraceFacts
+    intervals: ranks.RankIntervals
+
+
+def analyze_ranks(
+    paths: str | Path | list[str | Path],
+    out: str | Path | None = None,
+    device: str | None = None,
+    on_stage: Callable[[str], None] | None = None,
+) -> Run:
+    """Analyse a folder of per-rank traces (its `.json`/`.json.gz` files) or a list of trace files: each rank as
+    `analyze` analyses one file, then the cross-rank figures. kernels.csv and ops.csv hold every rank (`rank`
+    column); `phases` is the lowest rank's, `ranks` every rank's. Refused before anything is written: a folder
+    without traces, ranks that ran on different devices, two files claiming the same rank."""
+    from fusionscope import opportunities, trace
+
+    t_start = time.perf_counter()
+    note = on_stage or (lambda _msg: None)
+    files = rank_files(paths)
+    traces = check_ranks([read_rank(f) for f in files])
+    name = ranks_name(paths, files)
+    out_dir = Path(out) if out is not None else default_out_dir(name)
+    check_out_dir(out_dir)
+    first = traces[0]
+    roofs, roof_missing = resolve_roofs(first.facts.gpu_name, first.facts.device_kind, device)
+    summaries: dict[int, dict] = {}
+    kernel_parts, op_parts = [], []
+    for rt in traces:
+        note(f"rank {rt.rank}: loading the trace (HTA) and joining kernels to ops and modules")
+        timeline = _with_rank(trace.load_timeline(rt.facts.path), rt.rank)
+        if timeline.ops.empty and timeline.kernels.empty:
+            raise UsageError(f"{rt.facts.path} holds no profiled ops or kernels (an empty trace)")
+        timeline, missing = fill_steps_and_phases(timeline)
+        kernels = classify(kernel_table(timeline), roofs)
+        summaries[rt.rank] = summarize(rt.facts, name, timeline, kernels, roofs, [*missing, *roof_missing])
+        kernel_parts.append(kernels)
+        op_parts.append(timeline.ops)
+    kernels, ops = pd.concat(kernel_parts, ignore_index=True), pd.concat(op_parts, ignore_index=True)
+    note("cross-rank figures (and HTA's idle time and launch statistics)")
+    summary = summaries[first.rank]
+    summary["ranks"] = ranks_summary(traces, summaries)
+    note("writing the tables")
+    with staged_dir(out_dir) as tmp:
+        write_tables(tmp, kernels, ops)
+        opportunities.opportunities_table([]).to_csv(tmp / "opportunities.csv", index=False)
+        copy_trace(first.facts.path, tmp / TRACE_COPY)
+        for rt in traces[1:]:
+            copy_trace(rt.facts.path, tmp / RANK_COPY.format(rank=rt.rank))
+        finish_run_folder(tmp, summary, kernels, t_start, on_stage)
+    return Run(out_dir=out_dir, summary=summary, kernels=kernels)
+
+
+def rank_files(paths: str | Path | list[str | Path]) -> list[Path]:
+    """The trace files of a folder (sorted, not recursive) or the given list; a folder without any is refused."""
+    if isinstance(paths, list | tuple):
+        if not paths:
+            raise UsageError("no trace files given")
+        return [Path(p) for p in paths]
+    folder = Path(paths)
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith((".json", ".json.gz")))
+    if not files:
+        raise UsageError(f"{folder} holds no .json or .json.gz trace files")
+    return files
+
+
+def read_rank(path: Path) -> RankTrace:
+    """A rank's file checked as a single trace is, its rank (`distributedInfo.rank`, 0 without one) and intervals."""
+    facts, doc = parse_trace(path)
+    info = doc.get("distributedInfo")
+    rank = info.get("rank", 0) if isinstance(info, dict) else 0
+    if not isinstance(rank, int) or rank < 0:
+        raise UsageError(f"{path}: distributedInfo.rank is {rank!r}, not a rank number")
+    return RankTrace(rank=rank, facts=facts, intervals=ranks.rank_intervals(rank, doc["traceEvents"]))
+
+
+def check_ranks(traces: list[RankTrace]) -> list[RankTrace]:
+    """Refuse two files claiming one rank and ranks that ran on different devices; return them in rank order."""
+    seen: dict[int, Path] = {}
+    for rt in traces:
+        if rt.rank in seen:
+            raise UsageError(f"{seen[rt.rank]} and {rt.facts.path} both claim rank {rt.rank}")
+        seen[rt.rank] = rt.facts.path
+    devices = {rt.rank: _device_label(rt.facts) for rt in traces}
+    if len(set(devices.values())) > 1:
+        listed = ", ".join(f"rank {r} on {d}" for r, d in sorted(devices.items()))
+        raise UsageError(f"the ranks ran on different devices ({listed}): analyse them separately")
+    return sorted(traces, key=lambda rt: rt.rank)
+
+
+def _device_label(facts: TraceFacts) -> str:
+    if facts.device_kind == "cpu":
+        return "the CPU"
+    return facts.gpu_name or "an unnamed GPU"
+
+
+def ranks_name(paths: str | Path | list[str | Path], files: list[Path]) -> str:
+    """The run's name: the folder's, or the first file's trace name with the number of ranks."""
+    if isinstance(paths, list | tuple):
+        return f"{trace_name(files[0])}-{len(files)}ranks"
+    return Path(paths).resolve().name
+
+
+def _with_rank(timeline: Timeline, rank: int) -> Timeline:
+    """The timeline with its rank column set from the file's `distributedInfo` (HTA's regex misses it when torch
+    writes other keys before `rank`)."""
+    frames = [frame.assign(rank=rank) for frame in (timeline.ops, timeline.kernels, timeline.steps)]
+    return Timeline(device_kind=timeline.device_kind, ops=frames[0], kernels=frames[1], steps=frames[2])
+
+
+def ranks_summary(traces: list[RankTrace], summaries: dict[int, dict]) -> dict:
+    """summary.json's `ranks`: files, every rank's phases, the cross-rank figures and HTA's per-rank results."""
+    per_rank = {rt.rank: ranks.step_figures(rt.intervals) for rt in traces}
+    cross = ranks.cross_rank(per_rank, traces[0].intervals.source)
+    files = {str(rt.rank): {"path": str(rt.facts.path.resolve()), "file": RANK_COPY.format(rank=rt.rank)}
+             for rt in traces}  # fmt: skip
+    files[str(traces[0].rank)]["file"] = TRACE_COPY
+    has_kernels = {rt.rank: rt.facts.device_kind == "cuda" for rt in traces}
+    return {
+        "count": len(traces),
+        "files": files,
+        "phases": {str(rank): summary["phases"] for rank, summary in summaries.items()},
+        **cross,
+        "hta": hta_figures({rt.rank: rt.facts.path for rt in traces}, has_kernels),
+    }
+
+
+HTA_NO_KERNELS = "unavailable: no GPU kernels in this rank's trace"
+HTA_NO_DATA = "unavailable: HTA returned no data"
+
+
+def hta_figures(files: dict[int, Path], has_kernels: dict[int, bool]) -> dict[str, dict]:
+    """Per rank, HTA's GPU idle time (by category, summed over streams) and kernel launch statistics, each with
+    `source`: "hta", or only `source`: "unavailable: <reason>" (no kernels, no data, or HTA failed: on CPU-only
+    traces HTA's GPU analyses raise or return empty frames, and it logs rather than raises its own errors)."""
+    import logging
+    import os
+
+    os.environ.setdefault("HTA_DISABLE_NS_ROUNDING", "1")
+    logging.getLogger("hta").setLevel(logging.CRITICAL)
+    try:
+        from hta.trace_analysis import TraceAnalysis
+
+        resolved = {rank: str(path.resolve()) for rank, path in files.items()}
+        analysis_ = TraceAnalysis(trace_files=resolved, trace_dir=str(next(iter(files.values())).resolve().parent))
+    except Exception as exc:  # any HTA failure is a reason in the summary, never a crash
+        failed = {"source": f"unavailable: HTA could not load the traces ({_reason(exc)})"}
+        return {str(rank): {"idle_time": failed, "kernel_launches": failed} for rank in files}
+    out = {}
+    for rank in files:
+        idle = _hta_call(lambda r=rank: analysis_.get_idle_time_breakdown(ranks=[r], visualize=False)[0], _idle)
+        launch = _hta_call(
+            lambda r=rank: analysis_.get_cuda_kernel_launch_stats(ranks=[r], visualize=False).get(r), _launches
+        )
+        if not has_kernels.get(rank):
+            idle, launch = (f if f["source"] == "hta" else {"source": HTA_NO_KERNELS} for f in (idle, launch))
+        out[str(rank)] = {"idle_time": idle, "kernel_launches": launch}
+    return out
+
+
+def _hta_call(call: Callable[[], pd.DataFrame | None], figures: Callable[[pd.DataFrame], dict]) -> dict:
+    """One HTA analysis, its frame reduced by `figures`; an empty or absent frame is no data, an exception failed."""
+    try:
+        frame = call()
+    except Exception as exc:  # see hta_figures
+        return {"source": f"unavailable: HTA failed ({_reason(exc)})"}
+    if frame is None or len(frame) == 0:
+        return {"source": HTA_NO_DATA}
+    return {"source": "hta", **figures(frame)}
+
+
+def _idle(frame: pd.DataFrame) -> dict:
+    by_category = frame.groupby("idle_category")["idle_time"].sum() / 1e3
+    return {"streams": int(frame["stream"].nunique()), "idle_ms": {str(k): float(v) for k, v in by_category.items()}}
+
+
+def _launches(frame: pd.DataFrame) -> dict:
+    return {
+        "launches": len(frame),
+        "median_cpu_us": float(frame["cpu_duration"].median()),
+        "median_gpu_us": float(frame["gpu_duration"].median()),
+        "median_launch_delay_us": float(frame["launch_delay"].median()),
+        "max_launch_delay_us": float(frame["launch_delay"].max()),
+    }
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

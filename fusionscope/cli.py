@@ -536,13 +536,16 @@ def launch_cost(figures: dict) -> str:
 
 @app.command()
 def analyze(
-    path: Annotated[Path, typer.Argument(help="a torch.profiler / Kineto trace file (.json or .json.gz)")],
+    path: Annotated[
+        Path, typer.Argument(help="a torch.profiler trace file (.json or .json.gz), or a folder of rank traces")
+    ],
     out_dir: OutOpt = None,
     device: Annotated[
         str | None, typer.Option(help="GPU name whose roofs to use (default: the trace's); cpu: this machine's CPU")
     ] = None,
 ) -> None:
-    """Analyse a trace another program captured (one rank): kernels, phases, classes and report, without re-running."""
+    """Analyse a trace another program captured, or a folder of per-rank traces: kernels, phases, classes, the
+    cross-rank figures and a report, without re-running anything."""
     from fusionscope.analyze import analyze as run_analyze
 
     t0 = time.perf_counter()

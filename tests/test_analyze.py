@@ -143,6 +143,9 @@ def test_gpu_trace_missing_and_empty_opportunities(gpu_run: tuple) -> None:
     assert all(ph["wall_ms_per_step_unprofiled"] is None and ph["regime"] for ph in s["phases"].values())
     html = (run.out_dir / "report.html").read_text()
     assert "not in the trace" in html and "tensor identities" in html  # the report says what the analysis lacks
+    # the trace's fused kernels are recognised: HF's default sdpa attention runs as cuDNN's fused SDPA kernel
+    status = {(row["fusion"], row["phase"]): row["status"] for row in s["fused_kernels"]["catalogue"]}
+    assert status[("flash_attention", "decode")] == "active" and status[("rms_norm", "decode")] == "not found"
 
 
 def foreign_events(path: Path, keep_steps: bool) -> list[dict]:
@@ -299,9 +302,9 @@ def test_bad_missing_path(tmp_path: Path) -> None:
     _bad([str(tmp_path / "absent.json")], "trace not found", tmp_path)
 
 
-def test_bad_folder_of_ranks(tmp_path: Path) -> None:
+def test_bad_folder_without_traces(tmp_path: Path) -> None:
     (tmp_path / "ranks").mkdir()
-    _bad([str(tmp_path / "ranks")], "multi-rank analysis is not there yet", tmp_path)
+    _bad([str(tmp_path / "ranks")], "holds no .json or .json.gz trace files", tmp_path)
 
 
 def test_bad_truncated_gzip(tmp_path: Path) -> None:

@@ -238,6 +238,57 @@ def _apply_sections(summary: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def _ranks_section(summary: Mapping[str, Any]) -> list[str]:
+    """A multi-rank trace's section (none for one rank): per rank, step time, time outside and in communication,
+    how often it straggled, and HTA's GPU idle time and launches (or why HTA has none)."""
+    ranks = _mapping(summary.get("ranks"))
+    if not ranks:
+        return []
+    steps = [_mapping(s) for s in ranks.get("steps") or []]
+    comm = _mapping(_mapping(ranks.get("communication")).get("per_rank"))
+    hta = _mapping(ranks.get("hta"))
+
+    def per_step(key: str, rank: str) -> str:
+        values = [as_float(_mapping(s.get(key)).get(rank)) for s in steps]
+        values = sorted(v for v in values if v is not None)
+        return fmt_num(values[len(values) // 2]) if values else DASH
+
+    def hta_cell(result: Any, value: str) -> str:
+        result = _mapping(result)
+        return value if result.get("source") == "hta" else _esc(result.get("source"))
+
+    head = ["rank", "step ms", "outside comm ms", "comm ms, all steps", "overlap of comm", "straggler in",
+            "GPU idle ms", "launches"]  # fmt: skip
+    rows = []
+    for rank in ranks.get("ranks") or []:
+        key = str(rank)
+        mine = [s for s in steps if _mapping(s.get("straggler")).get("rank") == rank]
+        pct = as_float(_mapping(comm.get(key)).get("overlap_pct_of_comm"))
+        idle, launch = _mapping(hta.get(key)).get("idle_time"), _mapping(hta.get(key)).get("kernel_launches")
+        idle_ms = sum(as_float(v) or 0.0 for v in _mapping(_mapping(idle).get("idle_ms")).values())
+        cells = [_esc(rank), per_step("step_ms", key), per_step("compute_ms", key),
+                 fmt_num(_mapping(comm.get(key)).get("comm_ms")), fmt_pct(None if pct is None else pct / 100),
+                 f"{len(mine)} of {len(steps)} steps", hta_cell(idle, fmt_num(idle_ms)),
+                 hta_cell(launch, fmt_count(_mapping(launch).get("launches")))]  # fmt: skip
+        rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    table = (
+        '<div class="table-wrap"><table id="table-ranks"><thead><tr>'
+        + "".join(f"<th>{html.escape(h)}</th>" for h in head)
+        + "</tr></thead><tbody>"
+        + "".join(rows)
+        + "</tbody></table></div>"
+    )
+    worst = _mapping(ranks.get("straggler"))
+    lead = (
+        "Step times and time outside communication are medians over the steps all ranks recorded. A "
+        "blocking collective evens out step times, so the straggler is the rank with the most time outside "
+        f"communication: here rank {_esc(worst.get('rank'))}, {fmt_num(worst.get('mean_excess_ms'))} ms "
+        f"({fmt_num(worst.get('mean_excess_pct'))}%) over the median rank. Communication: "
+        f"{_esc(_mapping(ranks.get('communication')).get('source'))}."
+    )
+    return [_section("Ranks", lead, table, "ranks")]
+
+
 def render_page(summary: Mapping[str, Any], kernels: pd.DataFrame | None) -> str:
     """Build the whole report document (see :func:`fusionscope.report.render_report`)."""
     summary = _mapping(summary)
@@ -332,6 +383,7 @@ def render_page(summary: Mapping[str, Any], kernels: pd.DataFrame | None) -> str
             "opportunities",
         ),
         *_apply_sections(summary),
+        *_ranks_section(summary),
         _section(
             "Top kernels",
             "The profiler's ranking with measured columns joined in; click a header to sort.",
