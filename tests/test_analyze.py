@@ -302,11 +302,6 @@ def test_bad_missing_path(tmp_path: Path) -> None:
     _bad([str(tmp_path / "absent.json")], "trace not found", tmp_path)
 
 
-def test_bad_folder_without_traces(tmp_path: Path) -> None:
-    (tmp_path / "ranks").mkdir()
-    _bad([str(tmp_path / "ranks")], "holds no .json or .json.gz trace files", tmp_path)
-
-
 def test_bad_truncated_gzip(tmp_path: Path) -> None:
     data = GPU_TRACES["tiny-llama-cuda"][0].read_bytes()
     (tmp_path / "cut.json.gz").write_bytes(data[: len(data) // 2])

@@ -13,16 +13,14 @@ from statistics import median
 
 import pandas as pd
 import pytest
-from typer.testing import CliRunner
+from test_analyze import _bad  # the one check of a refused analyze: one line, exit 2, nothing written
 
 from fusionscope import ranks
 from fusionscope.analyze import HTA_NO_KERNELS, analyze, hta_figures
-from fusionscope.cli import app
 
 DATA = Path(__file__).resolve().parent / "data"
 GLOO = DATA / "traces" / "gloo-2ranks"
 GPU_TRACE = DATA / "tiny-llama-cuda.trace.json.gz"
-runner = CliRunner()
 
 
 def events_of(path: Path) -> list[dict]:
@@ -205,16 +203,6 @@ def test_hta_figures_on_a_gpu_trace_and_on_a_file_it_cannot_load(tmp_path: Path)
 
 
 # --- bad folders ---------------------------------------------------------------------------------------------
-
-
-def _bad(args: list[str], message: str, tmp_path: Path) -> None:
-    before = set(tmp_path.rglob("*"))
-    result = runner.invoke(app, ["analyze", *args, "--out", str(tmp_path / "run")])
-    assert result.exit_code == 2, result.output
-    err = result.stderr.strip()
-    assert err.startswith("fusionscope: error:") and message in err and len(err.splitlines()) == 1, err
-    assert "Traceback" not in result.output
-    assert set(tmp_path.rglob("*")) == before  # nothing written
 
 
 def test_bad_folder_without_traces(tmp_path: Path) -> None:
