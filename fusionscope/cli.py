@@ -471,27 +471,33 @@ def print_apply(result: dict) -> None:
     def pct(value: float | None) -> str:
         return "—" if value is None else f"{value * 100:+.0f}%"
 
+    from fusionscope.report.formatting import figure_cells
+
+    shown = ("max_abs", "kl_mean", "top1", "top5", "first_divergence")  # the report adds max_rel and vs-fp32 figures
     table = Table(title="fusions applied (numerics against the unpatched model on the same inputs)")
     for col in ("fusion", "sites", "status", "max |Δ|", "KL", "top-1", "top-5", "1st diff", "reason"):
         table.add_column(col, justify="left" if col in ("fusion", "status", "reason") else "right",
                          overflow="fold" if col == "reason" else "ellipsis")  # fmt: skip
-    eager = result.get("eager_vs_fp32") or {}
-    table.add_row("(eager vs fp32)", "", "", fmt(eager.get("max_abs"), ".3g"), fmt(eager.get("kl_mean"), ".2g"),
-                  fmt(eager.get("top1"), ".3f"), fmt(eager.get("top5"), ".3f"),
-                  fmt(eager.get("first_divergence"), "d"), "the unpatched model's own distance from fp32")  # fmt: skip
+    table.add_row(
+        "(eager vs fp32)",
+        "",
+        "",
+        *figure_cells(result.get("eager_vs_fp32"), shown),
+        "the unpatched model's own distance from fp32",
+    )
     for row in result.get("fusions", []):
-        fig = row.get("numerics") or {}
-        table.add_row(row["fusion"], f"{row['sites_patched']}/{row['sites_found']}", row["status"],
-                      fmt(fig.get("max_abs"), ".3g"), fmt(fig.get("kl_mean"), ".2g"), fmt(fig.get("top1"), ".3f"),
-                      fmt(fig.get("top5"), ".3f"), fmt(fig.get("first_divergence"), "d"),
-                      row.get("reason") or row.get("skipped") or "")  # fmt: skip
+        table.add_row(
+            row["fusion"],
+            f"{row['sites_patched']}/{row['sites_found']}",
+            row["status"],
+            *figure_cells(row.get("numerics"), shown),
+            row.get("reason") or row.get("skipped") or "",
+        )
     together = result.get("together_numerics") or {}
     if together:
-        fig = together.get("numerics") or {}
         table.add_row("all passing", str(len(together.get("fusions", []))),
-                      "passed" if together.get("passed") else "failed", fmt(fig.get("max_abs"), ".3g"),
-                      fmt(fig.get("kl_mean"), ".2g"), fmt(fig.get("top1"), ".3f"), fmt(fig.get("top5"), ".3f"),
-                      fmt(fig.get("first_divergence"), "d"), together.get("reason") or "")  # fmt: skip
+                      "passed" if together.get("passed") else "failed", *figure_cells(together.get("numerics"), shown),
+                      together.get("reason") or "")  # fmt: skip
     out.print(table)
     tolerances = result.get("tolerances") or []
     if tolerances:

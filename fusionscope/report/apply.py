@@ -10,7 +10,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from fusionscope.report.formatting import text_or_dash
+from fusionscope.report.formatting import figure_cells, text_or_dash
 
 
 def _num(value: Any, spec: str) -> str:
@@ -46,64 +46,23 @@ def numerics_table(result: Mapping[str, Any]) -> str:
         "vs fp32: KL",
         "reason",
     ]
-    eager = result.get("eager_vs_fp32") or {}
-    rows = [
-        [
-            "(eager vs fp32)",
-            "",
-            "",
-            _num(eager.get("max_abs"), ".3g"),
-            _num(eager.get("max_rel"), ".3g"),
-            _num(eager.get("kl_mean"), ".2g"),
-            _num(eager.get("top1"), ".3f"),
-            _num(eager.get("top5"), ".3f"),
-            _num(eager.get("first_divergence"), "d"),
-            "",
-            "",
-            "the unpatched model's own distance from fp32",
-        ]
-    ]
+    vs_fp32 = ("max_abs", "kl_mean")
+    rows = [["(eager vs fp32)", "", "", *figure_cells(result.get("eager_vs_fp32")), "", "",
+             "the unpatched model's own distance from fp32"]]  # fmt: skip
     for row in result.get("fusions", []):
-        fig, fig32 = row.get("numerics") or {}, row.get("numerics_vs_fp32") or {}
         where = "".join(f"<li>{html.escape(p)}</li>" for p in row.get("applied") or [])
         sites = f"{row.get('sites_patched')}/{row.get('sites_found')}"
         if where:
             sites = f"<details><summary>{sites}</summary><ul>{where}</ul></details>"
-        rows.append(
-            [
-                html.escape(row["fusion"]),
-                sites,
-                html.escape(row.get("status", "")),
-                _num(fig.get("max_abs"), ".3g"),
-                _num(fig.get("max_rel"), ".3g"),
-                _num(fig.get("kl_mean"), ".2g"),
-                _num(fig.get("top1"), ".3f"),
-                _num(fig.get("top5"), ".3f"),
-                _num(fig.get("first_divergence"), "d"),
-                _num(fig32.get("max_abs"), ".3g"),
-                _num(fig32.get("kl_mean"), ".2g"),
-                html.escape(text_or_dash(row.get("reason") or row.get("skipped"))),
-            ]
-        )
+        rows.append([html.escape(row["fusion"]), sites, html.escape(row.get("status", "")),
+                     *figure_cells(row.get("numerics")), *figure_cells(row.get("numerics_vs_fp32"), vs_fp32),
+                     html.escape(text_or_dash(row.get("reason") or row.get("skipped")))])  # fmt: skip
     together = result.get("together_numerics") or {}
     if together:
-        fig = together.get("numerics") or {}
-        rows.append(
-            [
-                "all passing together",
-                html.escape(", ".join(together.get("fusions", []))),
-                "passed" if together.get("passed") else "failed",
-                _num(fig.get("max_abs"), ".3g"),
-                _num(fig.get("max_rel"), ".3g"),
-                _num(fig.get("kl_mean"), ".2g"),
-                _num(fig.get("top1"), ".3f"),
-                _num(fig.get("top5"), ".3f"),
-                _num(fig.get("first_divergence"), "d"),
-                _num((together.get("numerics_vs_fp32") or {}).get("max_abs"), ".3g"),
-                _num((together.get("numerics_vs_fp32") or {}).get("kl_mean"), ".2g"),
-                html.escape(text_or_dash(together.get("reason"))),
-            ]
-        )
+        rows.append(["all passing together", html.escape(", ".join(together.get("fusions", []))),
+                     "passed" if together.get("passed") else "failed", *figure_cells(together.get("numerics")),
+                     *figure_cells(together.get("numerics_vs_fp32"), vs_fp32),
+                     html.escape(text_or_dash(together.get("reason")))])  # fmt: skip
     return _table(head, rows, "table-apply-numerics")
 
 

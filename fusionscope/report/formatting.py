@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
@@ -125,3 +126,19 @@ def phase_slugs(names: list[str]) -> dict[str, str]:
             index += 1
         slugs[name] = candidate
     return slugs
+
+
+# The numerics figures of an apply run as the terminal and the report show them: (key, format) in column order.
+NUMERICS_CELLS = (("max_abs", ".3g"), ("max_rel", ".3g"), ("kl_mean", ".2g"), ("top1", ".3f"), ("top5", ".3f"),
+                  ("first_divergence", "d"))  # fmt: skip
+
+
+def fmt_figure(value: Any, spec: str) -> str:
+    """A figure in `spec`, or a dash when it is missing or NaN."""
+    return DASH if value is None or value != value else format(value, spec)
+
+
+def figure_cells(figures: Mapping[str, Any] | None, keys: tuple[str, ...] | None = None) -> list[str]:
+    """The numerics cells of one row (`NUMERICS_CELLS`, or only `keys` of them), formatted."""
+    figures = figures or {}
+    return [fmt_figure(figures.get(k), spec) for k, spec in NUMERICS_CELLS if keys is None or k in keys]
