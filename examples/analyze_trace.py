@@ -1,4 +1,4 @@
-"""Analyse a trace your own program captured, then compare two runs.
+"""Analyse a trace your own program captured (the fusion catalogue included), then compare two traces.
 
 python examples/analyze_trace.py [TRACE]      # default: the CPU fixture trace shipped with the tests
 
@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from fusionscope.analyze import analyze
-from fusionscope.diff import diff_runs
+from fusionscope.diff import diff_paths
 
 FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "data" / "traces" / "cpu-steps.trace.json.gz"
 
@@ -24,10 +24,11 @@ def main() -> None:
     run = analyze(trace, out=out / "a")
     for phase, figures in run.summary["phases"].items():
         print(f"{phase}: {figures['steps']} step(s), {figures['wall_ms_per_step']:.2f} ms/step")
+    for o in run.summary["opportunities"]:  # matched on op order and shapes: confidence one level lower
+        print(f"  {o['fusion']} ({o['phase']}): {o['count']:g} per step, {o['confidence']} ({o['basis']})")
     for line in run.summary["missing"]:
         print("  not in the trace:", line)
-    again = analyze(trace, out=out / "b")
-    delta = diff_runs(run, again)
+    delta = diff_paths(trace, trace)  # trace files are analysed on the spot; run folders work too
     print("phases compared:", ", ".join(delta["phases"]), "— report:", run.report_path)
 
 

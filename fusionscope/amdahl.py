@@ -16,8 +16,13 @@ while saving ops — and the host work each one costs — does. So every estimat
 - `T_exposed`: what `max(T_host, T_gpu)` leaves of the measured wall time (GPU idle in a step whose host is fast:
   the queue filling at its start, syncs). It is held constant: a fusion does not remove it, a CUDA graph largely
   does.
-- A fused kernel removes its group's ops from the host's work and adds one launch (`roofs.launch_us`, an empty
-  Triton launch), and replaces the group's kernel time by the fused kernel's (`fused`: the step model after them).
+- A fused kernel removes its group's host time and adds one fused call, and replaces the group's kernel time by the
+  fused kernel's (`fused`: the step model after them). The group's host time is what its ops and the Python between
+  them took in the profiled step (`opportunities.HostSpans`), scaled by `host_scale` (modelled host time ÷ profiled
+  wall time: the profiler slows the host 2–3× in an eager decode). A fused call costs `roofs.fused_call_us`: a bundled
+  kernel called as a patched forward calls it, output allocation included (about twice an empty Triton launch,
+  `roofs.launch_us`, which roofs measured before that figure existed stand in for). Without host spans (a match
+  whose ops were not timed) the group's ops × the mean host cost per op stand in.
 - A CUDA graph replays the step for one launch: what it can remove is the step's wall time beyond its GPU time
   (`cuda_graph_share`). After the fusions only the fused step's host time is left to remove, so the plan
   (`opportunities.summarize_opportunities`) gives the share on the fused step — on llama-3.1-8b decode (H200,
@@ -44,26 +49,34 @@ class StepModel:
     gpu_us: float
     host_us: float
     host_us_per_op: float
-    launch_us: float
+    launch_us: float  # what one fused call costs the host
+    host_scale: float = 1.0  # modelled host µs per profiled µs
+    comm_us: float = 0.0  # communication kernels (NCCL) per step, outside `gpu_us`: what a compute fusion keeps
+
+    @property
+    def device_us(self) -> float:
+        """The GPU's work per step: computation and communication, one after the other on its timeline."""
+        return self.gpu_us + self.comm_us
 
     @property
     def paced_by(self) -> str:
         """`host` or `gpu`: the term that sets the step time (not the phase's measured `regime`)."""
-        return "host" if self.host_us >= self.gpu_us else "gpu"
+        return "host" if self.host_us >= self.device_us else "gpu"
 
     @property
     def exposed_us(self) -> float:
         """Wall time neither the host term nor the GPU term explains (GPU idle in a GPU-bound step)."""
-        return max(self.wall_us - max(self.host_us, self.gpu_us), 0.0)
+        return max(self.wall_us - max(self.host_us, self.device_us), 0.0)
 
     @property
     def step_us(self) -> float:
-        """The modelled step time: `max(T_host, T_gpu) + T_exposed`."""
-        return max(self.host_us, self.gpu_us) + self.exposed_us
+        """The modelled step time: `max(T_host, T_gpu + T_comm) + T_exposed`."""
+        return max(self.host_us, self.device_us) + self.exposed_us
 
     def figures(self) -> dict[str, float]:
         """The model's terms for summary.json (µs per step)."""
-        return {"wall_us": self.step_us, "host_us": self.host_us, "gpu_us": self.gpu_us, "exposed_us": self.exposed_us}
+        return {"wall_us": self.step_us, "host_us": self.host_us, "gpu_us": self.gpu_us, "comm_us": self.comm_us,
+                "exposed_us": self.exposed_us}  # fmt: skip
 
 
 def step_model(phase: dict, roofs: dict) -> StepModel | None:
@@ -71,12 +84,15 @@ def step_model(phase: dict, roofs: dict) -> StepModel | None:
     if phase.get("gpu_busy_ms_per_step") is None or not phase.get("ops_per_step"):
         return None
     wall = 1e3 * (phase.get("wall_ms_per_step_unprofiled") or phase["wall_ms_per_step"])
-    gpu = 1e3 * phase["gpu_busy_ms_per_step"]
+    comm = 1e3 * (phase.get("comm_ms_per_step") or 0.0)  # inside the busy time: NCCL kernels are kernels
+    gpu = 1e3 * phase["gpu_busy_ms_per_step"] - comm
     ops = phase["ops_per_step"]
     host_bound = phase.get("regime") == "host-bound"
     per_op = wall / ops if host_bound else min(float(roofs.get("aten_op_host_us") or wall / ops), wall / ops)
-    return StepModel(wall_us=wall, gpu_us=gpu, host_us=ops * per_op, host_us_per_op=per_op,
-                     launch_us=float(roofs.get("launch_us") or per_op))  # fmt: skip
+    profiled = 1e3 * (phase.get("wall_ms_per_step") or 0.0)
+    call = roofs.get("fused_call_us") or roofs.get("launch_us") or per_op
+    return StepModel(wall_us=wall, gpu_us=gpu, host_us=ops * per_op, host_us_per_op=per_op, launch_us=float(call),
+                     host_scale=ops * per_op / profiled if profiled else 1.0, comm_us=comm)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -87,22 +103,33 @@ class Speedup:
     saved_host_us: float
 
 
-def fused(model: StepModel, saved_gpu_us: float, saved_ops: float, added_launches: float) -> StepModel:
-    """The step after kernels worth `saved_gpu_us` are replaced and `saved_ops` host ops are removed in exchange for
-    `added_launches` fused-kernel launches; its exposed time is the unfused step's (a fusion does not remove it)."""
-    saved_host = saved_ops * model.host_us_per_op - added_launches * model.launch_us
+def saved_host_us(model: StepModel, saved_ops: float, added_launches: float, host_now_us: float | None = None) -> float:
+    """Host µs per step that removing a group saves: its profiled host time × `host_scale` (or, without it, its ops ×
+    the mean cost per op), less the fused calls it adds."""
+    removed = host_now_us * model.host_scale if host_now_us else saved_ops * model.host_us_per_op
+    return removed - added_launches * model.launch_us
+
+
+def fused(model: StepModel, saved_gpu_us: float, saved_ops: float, added_launches: float,
+          host_now_us: float | None = None) -> StepModel:  # fmt: skip
+    """The step after kernels worth `saved_gpu_us` are replaced and a group of `saved_ops` host ops (profiled host
+    time `host_now_us`) is removed in exchange for `added_launches` fused calls; its exposed time is the unfused
+    step's (a fusion does not remove it)."""
+    saved_host = saved_host_us(model, saved_ops, added_launches, host_now_us)
     gpu_new = max(model.gpu_us - saved_gpu_us, 1e-9)
     host_new = max(model.host_us - saved_host, 1e-9)
-    return StepModel(wall_us=max(host_new, gpu_new) + model.exposed_us, gpu_us=gpu_new, host_us=host_new,
-                     host_us_per_op=model.host_us_per_op, launch_us=model.launch_us)  # fmt: skip
+    return StepModel(wall_us=max(host_new, gpu_new + model.comm_us) + model.exposed_us, gpu_us=gpu_new,
+                     host_us=host_new, host_us_per_op=model.host_us_per_op, launch_us=model.launch_us,
+                     host_scale=model.host_scale, comm_us=model.comm_us)  # fmt: skip
 
 
-def speedup(model: StepModel, saved_gpu_us: float, saved_ops: float, added_launches: float) -> Speedup:
-    """End-to-end speedup of one step when kernels worth `saved_gpu_us` are replaced and `saved_ops` host ops are
-    removed in exchange for `added_launches` fused-kernel launches."""
-    after = fused(model, saved_gpu_us, saved_ops, added_launches)
-    return Speedup(gpu=model.gpu_us / after.gpu_us, wall=model.step_us / after.step_us, saved_gpu_us=saved_gpu_us,
-                   saved_host_us=saved_ops * model.host_us_per_op - added_launches * model.launch_us)  # fmt: skip
+def speedup(model: StepModel, saved_gpu_us: float, saved_ops: float, added_launches: float,
+            host_now_us: float | None = None) -> Speedup:  # fmt: skip
+    """End-to-end speedup of one step when kernels worth `saved_gpu_us` are replaced and a group of `saved_ops` host
+    ops (profiled host time `host_now_us`) is removed in exchange for `added_launches` fused calls."""
+    after = fused(model, saved_gpu_us, saved_ops, added_launches, host_now_us)
+    return Speedup(gpu=model.device_us / after.device_us, wall=model.step_us / after.step_us, saved_gpu_us=saved_gpu_us,
+                   saved_host_us=saved_host_us(model, saved_ops, added_launches, host_now_us))  # fmt: skip
 
 
 def cuda_graph_share(model: StepModel) -> float:
@@ -110,4 +137,4 @@ def cuda_graph_share(model: StepModel) -> float:
     GPU work and GPU idle time (a replayed graph costs the host one launch, so the step falls to about its GPU
     time). Pass the fused step (`fused`) for what a graph adds to the fusions: the share is of that step."""
     before = model.step_us
-    return max(0.0, (before - model.gpu_us) / before) if before else 0.0
+    return max(0.0, (before - model.device_us) / before) if before else 0.0

@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 
 from fusionscope import roofline
+from fusionscope.ranks import NCCL_KERNEL_PREFIXES
 from fusionscope.trace import Timeline
 
 HOST_BOUND_BELOW = 0.5  # GPU busy under half of a step's (unprofiled) wall time: the host sets the pace
@@ -30,6 +31,7 @@ def kernel_table(timeline: Timeline) -> pd.DataFrame:
             op=ops["name"], stream=-1, dur_us=ops["self_us"]
         )
         table = table.join(costs, on="op_id")
+        table["category"] = table["category"].fillna("other")  # as on GPUs: collectives have no cost model
         return table.reset_index(drop=True)
     kernels = timeline.kernels.join(costs, on="op_id")
     share = kernels["dur_us"] / kernels.groupby("op_id")["dur_us"].transform("sum").replace(0, np.nan)
@@ -151,6 +153,7 @@ def summarize_phases(
             "ops_per_step": (ops_per_step or {}).get(phase),
             "host_us_per_kernel": None,
             "regime": None,
+            "comm_ms_per_step": None,
         }
         if gpu:
             busy = pd.Series(
@@ -166,12 +169,20 @@ def summarize_phases(
                 else float(wall_us.median())
             )
             frac = float(busy.median() / real_wall_us)
+            # communication not hidden behind computation: busy time less the busy time of the other kernels
+            compute = ks[~ks["name"].astype(str).str.startswith(NCCL_KERNEL_PREFIXES)].groupby("step")
+            compute_busy = pd.Series(
+                {s: busy_us(g["ts_us"].to_numpy(), (g["ts_us"] + g["dur_us"]).to_numpy()) for s, g in compute},
+                dtype=float,
+            ).reindex(wall_us.index, fill_value=0.0)
+            comm = busy - compute_busy
             summary.update(
                 gpu_busy_ms_per_step=float(busy.median() / 1e3),
                 gpu_busy_frac=frac,
                 kernels_per_step=float(count.median()),
                 host_us_per_kernel=float(real_wall_us / count.median()) if count.median() else None,
                 regime="host-bound" if frac < HOST_BOUND_BELOW else "gpu-bound",
+                comm_ms_per_step=float(comm.median() / 1e3),
             )
         by_class = ks.groupby("bound")["dur_us"].sum() / max(n_steps, 1)
         summary["time_by_class_us"] = {c: float(by_class.get(c, 0.0)) for c in CLASSES}

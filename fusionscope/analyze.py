@@ -1,6 +1,7 @@
 """`analyze()`: the analysis `profile` makes, on a torch.profiler / Kineto trace someone else's program captured.
 
-It enters the pipeline at the trace (`trace.load_timeline` → `analysis.kernel_table` → `classify` →
+It enters the pipeline at the trace (`trace_events`: the Timeline `trace.load_timeline` builds, from the document
+`read_trace` decoded once → `analysis.kernel_table` → `classify` →
 `analysis.summarize_phases`), on a CPU, without running anything of the program. A trace holds less than a
 fusionscope capture: no unprofiled step times, no dataflow (tensor identities), perhaps no shapes, no
 `ProfilerStep#N` markers or `fusionscope.phase:<name>` ranges, no measured roofs. What is absent is filled by the
@@ -14,13 +15,15 @@ steps, straggler, communication) and HTA's GPU idle time and launch statistics w
 
 from __future__ import annotations
 
+import gc
 import gzip
 import json
 import shutil
 import time
 import zlib
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -28,8 +31,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from fusionscope import analysis, datasheets, ranks, roofline
+from fusionscope import analysis, datasheets, opportunities, ranks, roofline, trace_events
 from fusionscope.errors import UsageError
+from fusionscope.execution_trace import ET_SUFFIXES
 from fusionscope.run import (
     SCHEMA_VERSION,
     Run,
@@ -50,7 +54,12 @@ NO_ROOF_COLUMNS = ("peak_tflops", "attainable_tflops", "frac_bandwidth", "frac_c
 
 MISSING_UNPROFILED_GPU = "unprofiled step times (the regime is judged against the profiled step)"
 MISSING_UNPROFILED_CPU = "unprofiled step times (the figures are the profiled step's)"
-MISSING_DATAFLOW = "tensor identities: the fusion catalogue needs a recorded dataflow, so opportunities are empty"
+MISSING_DATAFLOW = (
+    "tensor identities: the fusion catalogue matched on op order, shapes and module nesting instead "
+    '(basis "op order", confidence lowered; an execution trace beside the trace gives exact dataflow)'
+)
+MISSING_ROOFS_FUSED = "device roofs: fusions are counted and timed now, their fused time is not estimated"
+ORDER_REASON = "edges inferred from op order and shapes (the trace holds no tensor identities)"
 MISSING_SHAPES = "recorded shapes: bytes/FLOPs not modelled"
 MISSING_STEPS = "ProfilerStep markers: the whole trace is one step"
 MISSING_PHASES = f'fusionscope.phase ranges: the whole trace is one phase, "{TRACE_PHASE}"'
@@ -71,39 +80,121 @@ def analyze(
     out: str | Path | None = None,
     device: str | None = None,
     on_stage: Callable[[str], None] | None = None,
+    execution_trace: str | Path | None = None,
 ) -> Run:
     """Analyse one trace file (`.json` or `.json.gz`) and write its run folder: kernels.csv, ops.csv,
-    opportunities.csv (empty: no dataflow), summary.json (with `missing`), report.html and a copy of the trace.
+    opportunities.csv, summary.json (with `missing`), report.html and a copy of the trace.
 
     `device` names the GPU whose roofs classify the kernels (default: the one the trace names); `"cpu"` takes this
-    machine's CPU roofs for a CPU-only trace. A folder or a list of files is a multi-rank trace (`analyze_ranks`).
-    Bad input is a UsageError before anything is written."""
-    from fusionscope import opportunities, trace
-
+    machine's CPU roofs for a CPU-only trace. `execution_trace` is PyTorch's execution trace of the same run (found
+    on its own when named `<trace name>.et.json[.gz]` beside the trace): its tensor identities give the catalogue
+    exact dataflow. A folder or a list of files is a multi-rank trace (`analyze_ranks`). Bad input is a UsageError
+    before anything is written."""
     t_start = time.perf_counter()
     note = on_stage or (lambda _msg: None)
     if isinstance(path, list | tuple) or Path(path).is_dir():
         return analyze_ranks(path, out, device, on_stage)
-    facts = read_trace(Path(path))
+    facts, doc = parse_trace(Path(path))
     name = trace_name(facts.path)
+    et_path = find_execution_trace(facts.path, name, execution_trace)
     out_dir = Path(out) if out is not None else default_out_dir(name)
     check_out_dir(out_dir)
     roofs, roof_missing = resolve_roofs(facts.gpu_name, facts.device_kind, device)
-    note("loading the trace (HTA) and joining kernels to ops and modules")
-    timeline = trace.load_timeline(facts.path)
-    if timeline.ops.empty and timeline.kernels.empty:
-        raise UsageError(f"{facts.path} holds no profiled ops or kernels (an empty trace)")
-    timeline, missing = fill_steps_and_phases(timeline)
+    note("joining kernels to ops and modules")
+    parsed = parse_rank(facts, doc)
+    del doc  # the decoded document is the largest thing in memory; the tables hold what is needed
+    timeline, missing = fill_steps_and_phases(parsed.timeline, parsed.annotations)
+    record_ids = parsed.record_ids if et_path is not None else {}
     note("costing and classifying kernels")
     kernels = classify(kernel_table(timeline), roofs)
-    summary = summarize(facts, name, timeline, kernels, roofs, [*missing, *roof_missing])
+    note("matching the fusion catalogue (dataflow inferred from op order and shapes, or the execution trace)")
+    found = match_catalogue(timeline, kernels, roofs, et_path, record_ids)
+    summary = summarize(facts, name, timeline, kernels, roofs, [*missing, *roof_missing], found)
     note("writing the tables")
     with staged_dir(out_dir) as tmp:
         write_tables(tmp, kernels, timeline.ops)
-        opportunities.opportunities_table([]).to_csv(tmp / "opportunities.csv", index=False)
+        opportunities.opportunities_table(summary["opportunities"]).to_csv(
+            tmp / "opportunities.csv", index=False, float_format="%.6g"
+        )
         copy_trace(facts.path, tmp / TRACE_COPY)
         finish_run_folder(tmp, summary, kernels, t_start, on_stage)
     return Run(out_dir=out_dir, summary=summary, kernels=kernels)
+
+
+@dataclass(frozen=True)
+class CatalogueMatches:
+    """The catalogue's matches on a trace's dataflow and their estimates (`opportunities.estimate_matches`)."""
+
+    per_match: pd.DataFrame
+    basis: str  # "op order" or "execution trace"
+    nodes: int
+    join_rate: float | None  # execution trace: share of nodes found in it
+    execution_trace: Path | None
+
+
+def find_execution_trace(trace: Path, name: str, given: str | Path | None) -> Path | None:
+    """The execution trace to use: the one given (it must exist), else `<name>.et.json[.gz]` beside the trace."""
+    from fusionscope import execution_trace
+
+    if given is not None:
+        if not Path(given).is_file():
+            raise UsageError(f"execution trace not found: {given}")
+        return Path(given)
+    return execution_trace.find_beside(trace, name)
+
+
+def parse_rank(facts: TraceFacts, doc: dict) -> trace_events.Parsed:
+    """The Timeline of a checked trace document (`trace_events`: the join `trace.load_timeline` makes, without
+    decoding the file again), its rank from `distributedInfo` (0 without one); an empty one is refused."""
+    info = doc.get("distributedInfo")
+    rank = info.get("rank", 0) if isinstance(info, dict) and isinstance(info.get("rank"), int) else 0
+    with collector_paused():
+        parsed = trace_events.parse_events(doc["traceEvents"], rank)
+    if parsed.timeline.ops.empty and parsed.timeline.kernels.empty:
+        raise UsageError(f"{facts.path} holds no profiled ops or kernels (an empty trace)")
+    return parsed
+
+
+def match_catalogue(timeline: Timeline, kernels: pd.DataFrame, roofs: dict | None, et_path: Path | None,
+                    record_ids: dict[int, int]) -> CatalogueMatches:  # fmt: skip
+    """`record_ids`: op_id → the op's `Record function id` (what links it to the execution trace)."""
+    """Infer the dataflow (`fusionscope.order_graph`; exact edges from the execution trace where there is one),
+    run the catalogue's matchers on it and estimate each match. Without roofs the fused time cannot be estimated:
+    the matches are counted and timed now, and rejected with that reason (so no speedup is claimed)."""
+    from fusionscope import execution_trace, opportunities, order_graph
+    from fusionscope.fusions import Graph, find_matches
+
+    bandwidth = {"copy_gbps": float("inf"), "tflops": {}} if roofs is None else roofs
+    per_match, join_rate = pd.DataFrame(), None
+    with collector_paused():
+        nodes = order_graph.infer_dataflow(timeline.ops, timeline.device_kind)
+        if et_path is not None:
+            nodes = execution_trace.exact_dataflow(nodes, timeline.ops, record_ids, execution_trace.load(et_path))
+            join_rate = nodes.attrs["join_rate"]
+        matches = find_matches(Graph(nodes)) if len(nodes) else []
+        if matches:
+            per_match = opportunities.estimate_matches(matches, nodes, timeline.ops, kernels, bandwidth)
+    if roofs is None and len(per_match):
+        per_match["rejected"] = per_match["rejected"].where(per_match["rejected"] != "", MISSING_ROOFS_FUSED)
+    return CatalogueMatches(per_match, nodes.attrs.get("basis", order_graph.BASIS_ORDER), len(nodes), join_rate,
+                            et_path)  # fmt: skip
+
+
+def with_basis(rows: list[dict], found: CatalogueMatches, roofs: dict | None) -> list[dict]:
+    """Opportunity rows with their `basis`; on inferred edges a confidence one level lower (high → medium) and why;
+    without roofs no fused figures."""
+    from fusionscope.order_graph import BASIS_ORDER
+
+    out = []
+    for row in rows:
+        row = {**row, "basis": found.basis}
+        if found.basis == BASIS_ORDER and row["confidence"] != "low":
+            row["confidence"] = "medium"
+            row["reason"] = f"{ORDER_REASON}; {row['reason']}"
+        if roofs is None:
+            row.update(t_fused_us=None, saved_us=None, bytes_fused=None, speedup_gpu=None, speedup_wall=None)
+        out.append(row)
+    return out
 
 
 def read_trace(path: Path) -> TraceFacts:
@@ -127,27 +218,44 @@ def parse_trace(path: Path) -> tuple[TraceFacts, dict]:
     except (OSError, EOFError, zlib.error) as exc:
         raise UsageError(f"cannot read {path}: truncated or damaged gzip ({exc})") from None
     try:
-        doc = json.loads(raw)
+        with collector_paused():
+            doc = json.loads(raw)
     except ValueError:  # JSONDecodeError and UnicodeDecodeError
         raise UsageError(f"{path} is not JSON") from None
+    del raw
     events = doc.get("traceEvents") if isinstance(doc, dict) else None
     if not isinstance(events, list):
         raise UsageError(f"{path} is not a torch.profiler trace (no traceEvents)")
-    timed = [e for e in events if isinstance(e, dict) and e.get("ph") == "X" and e.get("cat") in EVENT_CATS]
-    if not timed:
+    cats = [e.get("cat") if isinstance(e, dict) else None for e in events]
+    if not any(c in EVENT_CATS and e.get("ph") == "X" for c, e in zip(cats, events)):
         raise UsageError(f"{path} holds no profiled ops or kernels (an empty trace)")
-    gpu = any(isinstance(e, dict) and e.get("cat") in GPU_CATS for e in events)
-    facts = TraceFacts(path=path, gpu_name=_gpu_name(doc.get("deviceProperties"), timed),
+    kernels = [e for c, e in zip(cats, events) if c == "kernel" and e.get("ph") == "X"]
+    gpu = any(c in GPU_CATS for c in cats)
+    facts = TraceFacts(path=path, gpu_name=_gpu_name(doc.get("deviceProperties"), kernels),
                        device_kind="cuda" if gpu else "cpu")  # fmt: skip
     return facts, doc
 
 
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while a trace becomes millions of small objects that hold no cycles:
+    each collection it triggers walks all of them: `json.loads` of a 1M-event trace took 25.3 s with it running, 8.6 s
+    without (2-core CPU, 2026-12-01)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def _gpu_name(properties: object, events: list[dict]) -> str | None:
-    """The name of the device most kernels ran on (`args.device` ↔ `deviceProperties[].id`); the first listed
-    device when kernels carry no id; None for a CPU-only trace."""
+    """The name of the device most kernels (`events`) ran on (`args.device` ↔ `deviceProperties[].id`); the first
+    listed device when kernels carry no id; None for a CPU-only trace."""
     listed = properties if isinstance(properties, list) else []
     named = [p for p in listed if isinstance(p, dict) and p.get("name")]
-    used = Counter(e.get("args", {}).get("device") for e in events if e.get("cat") == "kernel")
+    used = Counter((e.get("args") or {}).get("device") for e in events)
     if not named or not used:
         return None
     by_id = {p.get("id"): str(p["name"]) for p in named}
@@ -160,10 +268,14 @@ def trace_name(path: Path) -> str:
     return name.removesuffix(".trace").removesuffix(".pt") or name
 
 
-def fill_steps_and_phases(timeline: Timeline) -> tuple[Timeline, list[str]]:
+def fill_steps_and_phases(timeline: Timeline, annotations: pd.DataFrame | None = None) -> tuple[Timeline, list[str]]:
     """Give a trace without `ProfilerStep#N` markers one step spanning all its events, and a trace without
-    `fusionscope.phase` ranges one phase, `trace`, holding every event inside a step (events outside every step
-    stay in the tables, in no phase, as in `profile`). Returns the new Timeline and what was filled in."""
+    `fusionscope.phase` ranges phases of its own: a training trace (a backward pass or an optimizer step in it,
+    `fusionscope.training`) `forward`, `backward` and `optimizer`, any other one phase, `trace`, holding every event
+    inside a step (events outside every step stay in the tables, in no phase, as in `profile`). `annotations`: the
+    trace's user_annotation ranges (`trace_events.Parsed`). Returns the new Timeline and what was filled in."""
+    from fusionscope import training
+
     ops, kernels, steps = timeline.ops.copy(), timeline.kernels.copy(), timeline.steps.copy()
     missing: list[str] = []
     if steps.empty:
@@ -175,7 +287,12 @@ def fill_steps_and_phases(timeline: Timeline) -> tuple[Timeline, list[str]]:
                               "dur_us": [ends.max() - starts.min()]})  # fmt: skip
         ops["step"], kernels["step"] = 0, 0
         missing.append(MISSING_STEPS)
-    if not (steps["phase"] != "").any() and not (ops["phase"] != "").any():
+    own_phases = (steps["phase"] != "").any() or (ops["phase"] != "").any()
+    if not own_phases and training.is_training(ops, annotations):
+        filled = Timeline(device_kind=timeline.device_kind, ops=ops, kernels=kernels, steps=steps)
+        timeline = training.split_training(filled, annotations)
+        ops, kernels, steps = timeline.ops, timeline.kernels, timeline.steps
+    elif not own_phases:
         steps["phase"] = TRACE_PHASE
         ops.loc[ops["step"] >= 0, "phase"] = TRACE_PHASE
         kernels.loc[kernels["step"] >= 0, "phase"] = TRACE_PHASE
@@ -280,17 +397,22 @@ def classify(kernels: pd.DataFrame, roofs: dict | None) -> pd.DataFrame:
 
 
 def summarize(facts: TraceFacts, name: str, timeline: Timeline, kernels: pd.DataFrame, roofs: dict | None,
-              missing: list[str]) -> dict:  # fmt: skip
-    """summary.json: `profile`'s keys where the trace holds the facts, plus `trace` (where it came from) and
-    `missing` (what it did not hold, so is not in the analysis)."""
+              missing: list[str], found: CatalogueMatches) -> dict:  # fmt: skip
+    """summary.json: `profile`'s keys where the trace holds the facts, plus `trace` (where it came from),
+    `dataflow` (how the catalogue's dataflow was had: `basis`, `nodes`, `join_rate`) and `missing` (what the trace
+    did not hold, so is not in the analysis)."""
     from fusionscope import opportunities
     from fusionscope.device import software_versions
 
     gpu = timeline.device_kind == "cuda"
     has_shapes = timeline.ops["input_dims"].map(lambda d: isinstance(d, list) and len(d) > 0).any()
-    missing = [MISSING_UNPROFILED_GPU if gpu else MISSING_UNPROFILED_CPU, MISSING_DATAFLOW, *missing]
+    exact = found.execution_trace is not None
+    missing = [MISSING_UNPROFILED_GPU if gpu else MISSING_UNPROFILED_CPU, *([] if exact else [MISSING_DATAFLOW]),
+               *missing]  # fmt: skip
     if not has_shapes:
         missing.append(MISSING_SHAPES)
+    if roofs is None:
+        missing.append(MISSING_ROOFS_FUSED)
     ops_per_step = timeline.ops.groupby("phase").size() / timeline.steps.groupby("phase").size()
     phases = analysis.summarize_phases(kernels, timeline.steps, {}, timeline.device_kind,
                                        {str(k): float(v) for k, v in ops_per_step.dropna().items()})  # fmt: skip
@@ -301,14 +423,18 @@ def summarize(facts: TraceFacts, name: str, timeline: Timeline, kernels: pd.Data
         "model": {"source": "trace", "name": name, "dtype": dominant_dtype(timeline.ops)},
         "device": {"kind": timeline.device_kind, "name": facts.gpu_name or (roofs or {}).get("name")},
         "versions": software_versions(),
-        "trace": {"path": str(facts.path.resolve()), "file": TRACE_COPY},
+        "trace": {
+            "path": str(facts.path.resolve()),
+            "file": TRACE_COPY,
+            "execution_trace": str(found.execution_trace.resolve()) if exact else None,
+        },
         "roofs": roofs,
         "cost_coverage": analysis.cost_coverage(kernels),
         "phases": phases,
+        "dataflow": {"basis": found.basis, "nodes": found.nodes, "join_rate": found.join_rate},
     }
-    summary["opportunities"], summary["cumulative"] = opportunities.summarize_opportunities(
-        pd.DataFrame(), phases, roofs or {}
-    )
+    rows, summary["cumulative"] = opportunities.summarize_opportunities(found.per_match, phases, roofs or {})
+    summary["opportunities"] = with_basis(rows, found, roofs)
     summary["missing"] = missing
     summary["fused_kernels"] = fused_kernel_status(kernels, summary["opportunities"])
     return summary
@@ -356,6 +482,7 @@ class RankTrace:
     rank: int
     facts: TraceFacts
     intervals: ranks.RankIntervals
+    parsed: trace_events.Parsed
 
 
 def analyze_ranks(
@@ -366,10 +493,8 @@ def analyze_ranks(
 ) -> Run:
     """Analyse a folder of per-rank traces (its `.json`/`.json.gz` files) or a list of trace files: each rank as
     `analyze` analyses one file, then the cross-rank figures. kernels.csv and ops.csv hold every rank (`rank`
-    column); `phases` is the lowest rank's, `ranks` every rank's. Refused before anything is written: a folder
-    without traces, ranks that ran on different devices, two files claiming the same rank."""
-    from fusionscope import opportunities, trace
-
+    column); `phases` and `opportunities` are the lowest rank's, `ranks` every rank's. Refused before anything is
+    written: a folder without traces, ranks that ran on different devices, two files claiming the same rank."""
     t_start = time.perf_counter()
     note = on_stage or (lambda _msg: None)
     files = rank_files(paths)
@@ -382,13 +507,11 @@ def analyze_ranks(
     summaries: dict[int, dict] = {}
     kernel_parts, op_parts = [], []
     for rt in traces:
-        note(f"rank {rt.rank}: loading the trace (HTA) and joining kernels to ops and modules")
-        timeline = _with_rank(trace.load_timeline(rt.facts.path), rt.rank)
-        if timeline.ops.empty and timeline.kernels.empty:
-            raise UsageError(f"{rt.facts.path} holds no profiled ops or kernels (an empty trace)")
-        timeline, missing = fill_steps_and_phases(timeline)
+        note(f"rank {rt.rank}: costing, classifying and matching the fusion catalogue")
+        timeline, missing = fill_steps_and_phases(rt.parsed.timeline, rt.parsed.annotations)
         kernels = classify(kernel_table(timeline), roofs)
-        summaries[rt.rank] = summarize(rt.facts, name, timeline, kernels, roofs, [*missing, *roof_missing])
+        found = match_catalogue(timeline, kernels, roofs, None, {})
+        summaries[rt.rank] = summarize(rt.facts, name, timeline, kernels, roofs, [*missing, *roof_missing], found)
         kernel_parts.append(kernels)
         op_parts.append(timeline.ops)
     kernels, ops = pd.concat(kernel_parts, ignore_index=True), pd.concat(op_parts, ignore_index=True)
@@ -398,7 +521,9 @@ def analyze_ranks(
     note("writing the tables")
     with staged_dir(out_dir) as tmp:
         write_tables(tmp, kernels, ops)
-        opportunities.opportunities_table([]).to_csv(tmp / "opportunities.csv", index=False)
+        opportunities.opportunities_table(summary["opportunities"]).to_csv(
+            tmp / "opportunities.csv", index=False, float_format="%.6g"
+        )
         copy_trace(first.facts.path, tmp / TRACE_COPY)
         for rt in traces[1:]:
             copy_trace(rt.facts.path, tmp / RANK_COPY.format(rank=rt.rank))
@@ -407,13 +532,15 @@ def analyze_ranks(
 
 
 def rank_files(paths: str | Path | list[str | Path]) -> list[Path]:
-    """The trace files of a folder (sorted, not recursive) or the given list; a folder without any is refused."""
+    """The trace files of a folder (sorted, not recursive; execution traces, `*.et.json[.gz]`, are not ranks) or the
+    given list; a folder without any is refused."""
     if isinstance(paths, list | tuple):
         if not paths:
             raise UsageError("no trace files given")
         return [Path(p) for p in paths]
     folder = Path(paths)
-    files = sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith((".json", ".json.gz")))
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith((".json", ".json.gz"))
+                   and not p.name.endswith(ET_SUFFIXES))  # fmt: skip
     if not files:
         raise UsageError(f"{folder} holds no .json or .json.gz trace files")
     return files
@@ -426,7 +553,8 @@ def read_rank(path: Path) -> RankTrace:
     rank = info.get("rank", 0) if isinstance(info, dict) else 0
     if not isinstance(rank, int) or rank < 0:
         raise UsageError(f"{path}: distributedInfo.rank is {rank!r}, not a rank number")
-    return RankTrace(rank=rank, facts=facts, intervals=ranks.rank_intervals(rank, doc["traceEvents"]))
+    parsed = parse_rank(facts, {**doc, "distributedInfo": {"rank": rank}})
+    return RankTrace(rank=rank, facts=facts, intervals=ranks.rank_intervals(rank, doc["traceEvents"]), parsed=parsed)
 
 
 def check_ranks(traces: list[RankTrace]) -> list[RankTrace]:
@@ -454,13 +582,6 @@ def ranks_name(paths: str | Path | list[str | Path], files: list[Path]) -> str:
     if isinstance(paths, list | tuple):
         return f"{trace_name(files[0])}-{len(files)}ranks"
     return Path(paths).resolve().name
-
-
-def _with_rank(timeline: Timeline, rank: int) -> Timeline:
-    """The timeline with its rank column set from the file's `distributedInfo` (HTA's regex misses it when torch
-    writes other keys before `rank`)."""
-    frames = [frame.assign(rank=rank) for frame in (timeline.ops, timeline.kernels, timeline.steps)]
-    return Timeline(device_kind=timeline.device_kind, ops=frames[0], kernels=frames[1], steps=frames[2])
 
 
 def ranks_summary(traces: list[RankTrace], summaries: dict[int, dict]) -> dict:

@@ -95,6 +95,10 @@ SampleOpt = Annotated[
 TemperatureOpt = Annotated[float, typer.Option(help="--sample: logits divided by this")]
 TopKOpt = Annotated[int, typer.Option(help="--sample: keep the k most likely tokens")]
 TopPOpt = Annotated[float, typer.Option(help="--sample: keep the smallest set holding this probability")]
+NprocOpt = Annotated[
+    int | None,
+    typer.Option(help="shard the model over N tensor-parallel ranks (torchrun; NCCL on GPUs, gloo on the CPU)"),
+]
 
 
 def run_with_progress(what: str, run: Callable[..., Any], **kwargs: Any) -> Any:
@@ -122,6 +126,7 @@ def profile(
     temperature: TemperatureOpt = 0.7,
     top_k: TopKOpt = 50,
     top_p: TopPOpt = 0.9,
+    nproc: NprocOpt = None,
 ) -> None:
     """Capture MODEL under torch.profiler, classify every kernel against the measured roofs, write a run folder."""
     from fusionscope.run import profile as run_profile
@@ -129,7 +134,8 @@ def profile(
     t0 = time.perf_counter()
     run = run_with_progress("profiling", run_profile, model=model, out=out_dir, batch=batch, prompt_len=prompt_len,
                             decode_steps=decode_steps, dtype=dtype, device=device, warmup=warmup, remeasure=remeasure,
-                            sample=sample, temperature=temperature, top_k=top_k, top_p=top_p)  # fmt: skip
+                            sample=sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                            nproc=nproc)  # fmt: skip
     print_summary(run.summary)
     out.print(f"report: {run.report_path}   ({time.perf_counter() - t0:.1f} s in all)")
 
@@ -363,6 +369,9 @@ def apply(
     temperature: TemperatureOpt = 0.7,
     top_k: TopKOpt = 50,
     top_p: TopPOpt = 0.9,
+    graphs: Annotated[
+        bool, typer.Option("--graphs", help="also the decode step in a CUDA graph, beside torch.compile and Liger")
+    ] = False,
 ) -> None:
     """Patch the fusions found into MODEL, check the numerics, measure before and after, predicted vs measured."""
     from fusionscope.apply.run import apply as run_apply
@@ -371,30 +380,35 @@ def apply(
     run = run_with_progress("applying", run_apply, model=model, fusions=fusions, from_run=from_run, repeats=repeats,
                             out=out_dir, batch=batch, prompt_len=prompt_len, decode_steps=decode_steps, dtype=dtype,
                             device=device, warmup=warmup, remeasure=remeasure, sample=sample,
-                            temperature=temperature, top_k=top_k, top_p=top_p)  # fmt: skip
+                            temperature=temperature, top_k=top_k, top_p=top_p, graphs=graphs)  # fmt: skip
     print_summary(run.summary)
     print_apply(run.summary["apply"])
+    if run.summary["apply"].get("graphs"):
+        print_graphs(run.summary["apply"]["graphs"])
     out.print(f"report: {run.report_path}   ({time.perf_counter() - t0:.1f} s in all)")
 
 
 @app.command()
 def diff(
-    run_a: Annotated[Path, typer.Argument(help="run folder A (before)")],
-    run_b: Annotated[Path, typer.Argument(help="run folder B (after)")],
+    run_a: Annotated[Path, typer.Argument(help="run folder or trace file A (before)")],
+    run_b: Annotated[Path, typer.Argument(help="run folder or trace file B (after)")],
     out_dir: Annotated[
         Path | None, typer.Option("--out", help="folder to create (default reports/diff-<time>)")
     ] = None,
+    device: Annotated[
+        str | None, typer.Option(help="for trace files: the GPU whose roofs to use, as `analyze --device` takes it")
+    ] = None,
 ) -> None:
-    """Compare two run folders: per phase step time, GPU time, kernels; per category, per fusion; kernels gone/new."""
-    from fusionscope.diff import diff_runs, load_pair
+    """Compare two runs — run folders, or traces analysed on the spot: per phase step time, GPU time, kernels; per
+    category, per fusion; kernels gone/new; with two traces also HTA's trace diff."""
+    from fusionscope.diff import diff_paths
     from fusionscope.report.diff_page import render_diff_page
     from fusionscope.run import check_out_dir, default_out_dir, staged_dir, write_json
 
     with usage_errors():
-        run_a_, run_b_ = load_pair(run_a, run_b)
         folder = out_dir or default_out_dir("diff")
         check_out_dir(folder)
-        result = diff_runs(run_a_, run_b_)
+        result = diff_paths(run_a, run_b, device)
         with staged_dir(folder) as tmp:
             write_json(tmp / "diff.json", result)
             (tmp / "diff.html").write_text(render_diff_page(result), encoding="utf-8")
@@ -534,6 +548,38 @@ def print_apply(result: dict) -> None:
     )
 
 
+def print_graphs(result: dict) -> None:
+    """The `--graphs` table: each variant's decode ms/token, tokens/s, × the weight-streaming floor, × eager, first
+    call, peak memory and its teacher-forced check; then the predicted vs measured gain of fusing under a graph."""
+
+    def fmt(value: object, spec: str) -> str:
+        return "—" if value is None or value != value else format(value, spec)
+
+    floor = result.get("floor") or {}
+    table = Table(title=f"decode step in a CUDA graph (weight-streaming floor {fmt(floor.get('ms'), '.2f')} ms/token: "
+                        f"{fmt((floor.get('bytes') or 0) / 1e9, '.2f')} GB at {fmt(floor.get('copy_gbps'), '.0f')} "
+                        "GB/s)")  # fmt: skip
+    for col in ("variant", "ms/token", "tokens/s", "× floor", "× eager", "first call s", "peak MiB", "check"):
+        table.add_column(col, justify="left" if col in ("variant", "check") else "right",
+                         overflow="fold" if col == "check" else "ellipsis")  # fmt: skip
+    table.add_row("eager (unpatched)", fmt(result.get("eager_ms_per_token"), ".2f"), "", "", "1.000", "", "", "")
+    for name, row in result.get("variants", {}).items():
+        table.add_row(name, fmt(row.get("ms_per_token"), ".2f"), fmt(row.get("tokens_per_s"), ".0f"),
+                      fmt(row.get("x_floor"), ".2f"), fmt(row.get("speedup_vs_eager"), ".3f"),
+                      fmt(row.get("first_call_s"), ".1f"), fmt(row.get("peak_mib"), ".0f"),
+                      ("passed: " if row.get("passed") else "not timed: ") + (row.get("reason") or ""))  # fmt: skip
+    out.print(table)
+    pred = result.get("predicted") or {}
+    error = result.get("error_fused_vs_graph")
+    out.print(f"fused + graph vs graph alone: measured {fmt(result.get('fused_vs_graph'), '.3f')}×, predicted "
+              f"{fmt(pred.get('fused_graph_vs_graph'), '.3f')}× (the fused GPU time), error "
+              f"{fmt(None if error is None else 100 * error, '+.0f')}%; "
+              f"fused + graph vs torch.compile {fmt(result.get('fused_vs_compile'), '.3f')}× "
+              f"(compile {fmt(result.get('compile_seconds'), '.0f')} s)")  # fmt: skip
+    if result.get("timing_note"):
+        out.print(result["timing_note"], style="dim")
+
+
 def launch_cost(figures: dict) -> str:
     """`model→implied` host µs per fused launch (see `apply.run.phase_figures`), or empty."""
     model, implied = figures.get("model_us_per_fused_launch"), figures.get("implied_us_per_fused_launch")
@@ -542,20 +588,31 @@ def launch_cost(figures: dict) -> str:
 
 @app.command()
 def analyze(
-    path: Annotated[
-        Path, typer.Argument(help="a torch.profiler trace file (.json or .json.gz), or a folder of rank traces")
+    paths: Annotated[
+        list[Path],
+        typer.Argument(
+            help="a torch.profiler trace file (.json or .json.gz); a folder of rank traces; several "
+            "trace files, one per rank",
+            show_default=False,
+        ),
     ],
     out_dir: OutOpt = None,
     device: Annotated[
         str | None, typer.Option(help="GPU name whose roofs to use (default: the trace's); cpu: this machine's CPU")
     ] = None,
+    execution_trace: Annotated[
+        Path | None,
+        typer.Option(help="PyTorch's execution trace of the same run (default: <trace name>.et.json[.gz] beside it)"),
+    ] = None,
 ) -> None:
-    """Analyse a trace another program captured, or a folder of per-rank traces: kernels, phases, classes, the
-    cross-rank figures and a report, without re-running anything."""
+    """Analyse a trace another program captured, or per-rank traces (a folder of them, or several files): kernels,
+    phases, classes, the fusion catalogue, the cross-rank figures and a report, without re-running anything."""
     from fusionscope.analyze import analyze as run_analyze
 
     t0 = time.perf_counter()
-    run = run_with_progress("analysing", run_analyze, path=path, out=out_dir, device=device)
+    path: Path | list[Path] = paths[0] if len(paths) == 1 else list(paths)
+    run = run_with_progress("analysing", run_analyze, path=path, out=out_dir, device=device,
+                            execution_trace=execution_trace)  # fmt: skip
     print_summary(run.summary)
     for line in run.summary["missing"]:
         out.print(f"not in the trace: {line}", style="dim")

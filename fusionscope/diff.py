@@ -1,11 +1,16 @@
-"""Compare two run folders (before/after a change): what moved per phase, per category, per fusion and per kernel.
+"""Compare two runs (before/after a change): what moved per phase, per category, per fusion and per kernel.
 
-`diff_runs(a, b)` is a pure function over two loaded `Run`s; the CLI prints it, writes it as diff.json and renders
-diff.html. Every delta is B − A and every ratio B ÷ A, so "after ÷ before" reads as a speed-up below 1 for a time.
+A side is a run folder, or a trace file, which `fusionscope analyze` turns into a run first (in a temporary
+folder, removed afterwards). `diff_runs(a, b)` is a pure function over two loaded `Run`s; the CLI prints it, writes
+it as diff.json and renders diff.html. Every delta is B − A and every ratio B ÷ A, so "after ÷ before" reads as a
+speed-up below 1 for a time. Where both sides are traces, HTA's trace diff (op and kernel counts and durations of
+the first step) is added (`hta_trace_diff`).
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -28,23 +33,41 @@ PHASE_METRICS = (
 TRACE_SUFFIXES = (".json", ".json.gz")
 OWN_JSON = ("summary.json", "diff.json", "bench.json")
 KERNEL_COLUMNS = ("name", "phase", "dur_us")
+HTA_TOP = 20  # HTA trace-diff rows kept: the largest duration changes
 
 
-def load_pair(a: str | Path, b: str | Path) -> tuple[Run, Run]:
-    """Load both run folders, refusing a trace file, a plain file and a folder that is not a run (UsageError)."""
-    return load_diffable(a, "A"), load_diffable(b, "B")
+def load_pair(a: str | Path, b: str | Path, device: str | None = None) -> tuple[Run, Run]:
+    """Load both sides — run folders, or trace files analysed on the spot (`device` as `analyze` takes it) —
+    refusing a plain file and a folder that is not a run (UsageError)."""
+    return load_side(a, "A", device), load_side(b, "B", device)
+
+
+def is_trace(path: Path) -> bool:
+    return path.is_file() and path.name.endswith(TRACE_SUFFIXES) and path.name not in OWN_JSON
+
+
+def load_side(path: str | Path, label: str, device: str | None = None) -> Run:
+    """One side of a diff: a run folder (`load_diffable`), or a trace file analysed into a temporary run folder
+    that is removed once loaded; the Run then names the trace as its path."""
+    from fusionscope.analyze import analyze
+
+    path = Path(path)
+    if not is_trace(path):
+        return load_diffable(path, label)
+    scratch = Path(tempfile.mkdtemp(prefix="fusionscope-diff-"))
+    try:
+        analyze(path, out=scratch / "run", device=device)
+        run = load_diffable(scratch / "run", label)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return Run(out_dir=path, summary=run.summary, kernels=run.kernels)
 
 
 def load_diffable(path: str | Path, label: str) -> Run:
     """One side of a diff: a run folder whose summary has phases and whose kernels.csv has name, phase and dur_us."""
     folder = Path(path)
     if folder.is_file():
-        if folder.name.endswith(TRACE_SUFFIXES) and folder.name not in OWN_JSON:
-            raise UsageError(
-                f"{label} ({folder}) is a trace file; fusionscope diff takes run folders: make one with "
-                f"`fusionscope analyze {folder}` first"
-            )
-        raise UsageError(f"{label} ({folder}) is a file, not a run folder (pass the folder that holds it)")
+        raise UsageError(f"{label} ({folder}) is a file, not a run folder or a trace (pass the folder that holds it)")
     run = load_run(folder)
     phases = run.summary.get("phases") if isinstance(run.summary, dict) else None
     if not isinstance(phases, dict) or not all(isinstance(p, dict) for p in phases.values()):
@@ -61,6 +84,7 @@ def diff_runs(a: Run, b: Run) -> dict:
     - `schema`: 1.
     - `a`, `b`: `path, model, device, dtype, created, command` of each run.
     - `notes`: one-line remarks, e.g. that A and B profiled different models or devices (not errors).
+    - `hta`: HTA's trace diff where both sides are trace files (`hta_trace_diff`), else absent.
     - `phases`: per phase (A's order, then B's new phases), a dict with
       - `present`: `both`, `a_only` or `b_only` (a phase in one run only has `null` on the other side);
       - `steps_a`, `steps_b`: profiled steps;
@@ -86,6 +110,43 @@ def diff_runs(a: Run, b: Run) -> dict:
             for name in dict.fromkeys([*phases_a, *phases_b])
         },
     }
+
+
+def diff_paths(a: str | Path, b: str | Path, device: str | None = None) -> dict:
+    """`diff_runs` of two run folders or trace files; with two traces, HTA's trace diff as `hta` too."""
+    run_a, run_b = load_pair(a, b, device)
+    result = diff_runs(run_a, run_b)
+    if is_trace(Path(a)) and is_trace(Path(b)):
+        result["hta"] = hta_trace_diff(Path(a), Path(b))
+    return result
+
+
+def hta_trace_diff(a: Path, b: Path, top: int = HTA_TOP) -> dict:
+    """HTA's `TraceDiff.compare_traces` of two trace files (first rank, first step of each): per op or kernel name
+    the counts and total µs in A and B, the `top` largest duration changes. `source`: "hta", or
+    "unavailable: <reason>" (HTA logs rather than raises, and fails on traces it cannot step through)."""
+    import logging
+
+    from fusionscope.trace import load_hta_trace
+
+    logging.getLogger("hta").setLevel(logging.CRITICAL)
+    try:
+        from hta.trace_diff import TraceDiff
+
+        table = TraceDiff.compare_traces(load_hta_trace(a), load_hta_trace(b))
+    except Exception as exc:  # any HTA failure is a reason in diff.json, never a crash
+        return {
+            "source": f"unavailable: HTA failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        }
+    if table is None or table.empty:
+        return {"source": "unavailable: HTA returned no data"}
+    table = table.reindex(table["diff_duration"].abs().sort_values(ascending=False).index).head(top)
+    columns = {"count_a": "Control_counts", "count_b": "Test_counts", "us_a": "Control_total_duration",
+               "us_b": "Test_total_duration", "delta_us": "diff_duration"}  # fmt: skip
+    rows = [
+        {"name": str(name), **{key: float(row[col]) for key, col in columns.items()}} for name, row in table.iterrows()
+    ]
+    return {"source": "hta", "rows": rows}
 
 
 def run_facts(run: Run) -> dict:

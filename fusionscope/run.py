@@ -6,6 +6,7 @@ behind and an earlier run is never overwritten.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -103,6 +104,7 @@ class Settings:
     temperature: float = 0.7
     top_k: int = 50
     top_p: float = 0.9
+    nproc: int | None = None  # tensor-parallel ranks (`fusionscope.distributed`); None: one process, no launcher
 
     @property
     def sampling(self) -> tuple[float, int, float] | None:
@@ -135,13 +137,18 @@ def profile(
     top_k: int = 50,
     top_p: float = 0.9,
     on_stage: Callable[[str], None] | None = None,
+    nproc: int | None = None,
 ) -> Run:
     """Profile MODEL and write its run folder (trace, tables, summary.json, report.html); return the Run.
 
     `sample=True` picks each next token as `generate(do_sample=True)` does (temperature → top-k → top-p → draw)
-    instead of by argmax."""
+    instead of by argmax. `nproc=N` shards the model over N tensor-parallel ranks (`fusionscope.distributed`)."""
     settings = Settings(model, batch, prompt_len, decode_steps, dtype, device, warmup, remeasure, sample, temperature,
                         top_k, top_p)  # fmt: skip
+    if nproc is not None:
+        from fusionscope.distributed import profile_tp
+
+        return profile_tp(dataclasses.replace(settings, nproc=nproc), out, on_stage)
     t_start = time.perf_counter()
     out_dir, spec, dev, torch_dtype = prepare(settings, out)
     with staged_dir(out_dir) as tmp:
@@ -165,16 +172,18 @@ def prepare(settings: Settings, out: str | Path | None) -> tuple[Path, Any, Any,
 
 
 def profile_stages(settings: Settings, spec: Any, dev: Any, torch_dtype: Any, tmp: Path,
-                   on_stage: Callable[[str], None] | None = None, keep_workload: bool = False) -> Profiled:  # fmt: skip
+                   on_stage: Callable[[str], None] | None = None, keep_workload: bool = False,
+                   build: Callable[..., Any] | None = None) -> Profiled:  # fmt: skip
     """Build, capture, analyse and estimate into the staged folder `tmp` (trace and tables written, summary returned;
-    summary.json and the report are written by `finish_run_folder`)."""
+    summary.json and the report are written by `finish_run_folder`). `build` stands in for `models.build_workload`
+    (same arguments): a tensor-parallel rank builds its shard of the model."""
     from fusionscope import analysis, capture, dataflow, micro, models, opportunities, trace
     from fusionscope.device import get_ceilings, software_versions
     from fusionscope.fusions import Graph, find_matches
 
     note = on_stage or (lambda _msg: None)
     note(f"building {spec.name} on {dev.type} in {str(torch_dtype).removeprefix('torch.')}")
-    workload = models.build_workload(
+    workload = (build or models.build_workload)(
         spec,
         dev,
         torch_dtype,
@@ -199,6 +208,12 @@ def profile_stages(settings: Settings, spec: Any, dev: Any, torch_dtype: Any, tm
         "decode_steps": settings.decode_steps if workload.phases != ("forward",) else None,
         "sampling": dict(zip(("temperature", "top_k", "top_p"), workload.sampling)) if workload.sampling else None,
     }
+    floor = None
+    if "decode" in workload.phases:
+        from fusionscope.floor import weight_floor
+
+        kv_len = settings.prompt_len + settings.decode_steps / 2  # the mean length the decode steps read
+        floor = weight_floor(workload.module, settings.batch, kv_len, ceilings.copy_gbps)
     if not keep_workload:
         del workload
         workload = None
@@ -230,10 +245,14 @@ def profile_stages(settings: Settings, spec: Any, dev: Any, torch_dtype: Any, tm
             {str(k): float(v) for k, v in ops_per_step.dropna().items()},
         ),
     }
+    if floor is not None and "decode" in summary["phases"]:
+        summary["phases"]["decode"]["weight_floor"] = floor
     summary["dataflow"] = {"nodes": len(joined), "join_rate": dataflow.join_rate(joined)}
     summary["opportunities"], summary["cumulative"] = opportunities.summarize_opportunities(
         per_match, summary["phases"], summary["roofs"]
     )
+    for row in summary["opportunities"]:
+        row["basis"] = opportunities.DATAFLOW
     if dev.type == "cuda" and summary["opportunities"]:
         note("timing the bundled kernels alone on the shapes found (micro-measured column)")
     micro.micro_measure(summary["opportunities"], graph, matches, dev, torch_dtype)

@@ -65,3 +65,30 @@ def test_cuda_graph_share_is_the_unhidden_host_time() -> None:
 
 def test_cpu_runs_have_no_model() -> None:
     assert amdahl.step_model({"gpu_busy_ms_per_step": None, "ops_per_step": 10}, ROOFS) is None
+
+
+def test_a_groups_profiled_host_time_is_scaled_to_the_unprofiled_step_and_charged_a_fused_call() -> None:
+    """The profiler doubles this step (20 ms profiled, 10 ms not): a group whose ops and gaps took 3 ms profiled saves
+    1.5 ms of host time, less one real fused call (24 µs) per group, not its ops × the mean cost per op."""
+    model = amdahl.step_model(host_bound_phase(), {**ROOFS, "fused_call_us": 24.0})
+    assert model.host_scale == pytest.approx(0.5) and model.launch_us == 24.0
+    result = amdahl.speedup(model, saved_gpu_us=0.0, saved_ops=360, added_launches=40, host_now_us=3_000.0)
+    assert result.saved_host_us == pytest.approx(1_500.0 - 40 * 24.0)
+    assert result.wall == pytest.approx(10_000 / (10_000 - 1_500.0 + 40 * 24.0))
+    assert amdahl.speedup(model, 0.0, 360, 40).saved_host_us == pytest.approx(360 * 10.0 - 40 * 24.0)  # no spans
+
+
+def test_host_spans_count_outer_ops_and_the_gaps_nothing_foreign_fills() -> None:
+    """Ops 0–2 are the group (1 nests in 0), op 3 is another module's: the gap 0→2 counts, the one before 4 does
+    not, and the nested op's time is inside its parent's."""
+    import pandas as pd
+
+    from fusionscope.opportunities import HostSpans
+
+    ops = pd.DataFrame({"op_id": [0, 1, 2, 3, 4], "parent_op": [-1, 0, -1, -1, -1], "tid": [1] * 5,
+                        "ts_us": [0.0, 1.0, 12.0, 30.0, 50.0], "dur_us": [10.0, 5.0, 8.0, 10.0, 4.0]})  # fmt: skip
+    owner = pd.Series({0: 7, 1: 7, 2: 8, 3: 9, 4: 8})
+    spans = HostSpans(ops, owner)
+    assert spans.group_us([7, 8]) == pytest.approx(10.0 + 2.0 + 8.0 + 4.0)
+    assert spans.group_us([7]) == pytest.approx(10.0)
+    assert spans.group_us([42]) == 0.0

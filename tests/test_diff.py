@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import pandas as pd
@@ -156,9 +157,7 @@ def test_two_real_runs_have_the_same_shape(runs: dict[str, Path]) -> None:
     json.dumps(result, allow_nan=False)
 
 
-def test_trace_file_and_non_run_are_refused(runs: dict[str, Path], tmp_path: Path) -> None:
-    with pytest.raises(UsageError, match=r"is a trace file; fusionscope diff takes run folders"):
-        load_pair(runs["a"] / "trace.json.gz", runs["b"])
+def test_non_run_is_refused(runs: dict[str, Path], tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="is a file, not a run folder"):
         load_pair(runs["a"], runs["a"] / "summary.json")
     with pytest.raises(UsageError, match="not a fusionscope run folder"):
@@ -209,7 +208,7 @@ def test_cli_default_out_is_under_reports(
     [
         ("missing", "run folder not found"),
         ("not_a_run", "is not a fusionscope run folder"),
-        ("trace", "is a trace file; fusionscope diff takes run folders"),
+        ("bad_trace", "truncated or damaged gzip"),
         ("no_phases", "its summary.json has no phases"),
         ("out_exists", "already exists"),
     ],
@@ -223,8 +222,9 @@ def test_cli_bad_input_is_one_line_exit_2_and_writes_nothing(
     elif case == "not_a_run":
         b = tmp_path / "empty"
         b.mkdir()
-    elif case == "trace":
-        a = runs["a"] / "trace.json.gz"
+    elif case == "bad_trace":
+        a = tmp_path / "cut.trace.json.gz"
+        a.write_bytes((runs["a"] / "trace.json.gz").read_bytes()[:100])
     elif case == "no_phases":
         b = tmp_path / "odd"
         b.mkdir()
@@ -308,3 +308,40 @@ def test_page_draws_offline_in_chromium(page: str, tmp_path: Path) -> None:
     assert [url for url in requests if not url.startswith(("file:", "data:", "blob:"))] == []
     assert bars == 2  # A and B
     assert rows >= 3  # decode's metrics and prefill's (only in A)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# traces
+# --------------------------------------------------------------------------------------------------------------------
+
+CPU_STEPS = Path(__file__).resolve().parent / "data" / "traces" / "cpu-steps.trace.json.gz"
+
+
+def test_trace_sides_are_analysed_then_diffed(
+    runs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trace file against the run folder it came from: the same kernels, phases as analyze names them; the
+    temporary run folder of the trace is gone afterwards; the Run names the trace."""
+    from fusionscope.diff import diff_paths, load_side
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the temporary run folders go
+    trace_side = load_side(runs["a"] / "trace.json.gz", "A", device="cpu")
+    assert trace_side.out_dir == runs["a"] / "trace.json.gz" and trace_side.summary["model"]["source"] == "trace"
+    assert list(tmp_path.iterdir()) == []
+    result = diff_paths(runs["a"] / "trace.json.gz", runs["a"] / "trace.json.gz", device="cpu")
+    assert result["a"]["path"].endswith("trace.json.gz") and set(result["phases"]) == {"prefill", "decode"}
+    for ph in result["phases"].values():
+        assert ph["present"] == "both" and ph["metrics"]["wall_ms_per_step"]["delta"] == 0
+        assert ph["kernels_appeared"] == [] and ph["kernels_vanished"] == []
+    assert result["hta"]["source"] == "hta" and all(r["delta_us"] == 0 for r in result["hta"]["rows"])
+    mixed = diff_paths(runs["a"], runs["a"] / "trace.json.gz", device="cpu")
+    assert "hta" not in mixed and set(mixed["phases"]) == {"prefill", "decode"}
+
+
+def test_cli_diff_of_two_traces(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["diff", str(CPU_STEPS), str(CPU_STEPS), "--out", str(tmp_path / "d")])
+    assert result.exit_code == 0, result.output
+    written = json.loads((tmp_path / "d" / "diff.json").read_text())
+    assert written["hta"]["source"] == "hta" and written["hta"]["rows"]
+    assert "HTA trace diff" in (tmp_path / "d" / "diff.html").read_text(encoding="utf-8")
+    assert {p.name for p in (tmp_path / "d").iterdir()} == {"diff.json", "diff.html"}

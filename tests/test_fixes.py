@@ -32,7 +32,7 @@ def rescored_8b() -> dict[str, Any]:
     figures (one row per fusion and phase stands for the step's matches: the medians are the same)."""
     summary = json.loads(SAMPLE_8B.read_text())
     rows = [{"fusion": o["fusion"], "phase": o["phase"], "step": 0, "module": p, "escaping": 0, "unjoined": 0,
-             "rejected": "", **{k: o[k] for k in opportunities.PER_STEP}}
+             "rejected": "", **{k: o.get(k) for k in opportunities.PER_STEP}}
             for o in summary["opportunities"] for p in o["module_paths"][:1]]  # fmt: skip
     summary["opportunities"], summary["cumulative"] = opportunities.summarize_opportunities(
         pd.DataFrame(rows), summary["phases"], summary["roofs"]

@@ -233,3 +233,24 @@ def test_bad_damaged_rank_in_a_folder(tmp_path: Path) -> None:
     shutil.copyfile(GLOO / "rank0.trace.json.gz", folder / "rank0.trace.json.gz")
     (folder / "rank1.trace.json").write_text("not json")
     _bad([str(folder)], "is not JSON", tmp_path)
+
+
+def test_cli_takes_several_trace_files_as_ranks(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from fusionscope.cli import app
+
+    files = sorted(GLOO.glob("*.trace.json.gz"))
+    result = CliRunner().invoke(app, ["analyze", *map(str, files), "--out", str(tmp_path / "run")])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["ranks"]["count"] == 2 and set(summary["ranks"]["phases"]) == {"0", "1"}
+    assert set(pd.read_csv(tmp_path / "run" / "kernels.csv")["rank"]) == {0, 1}
+
+
+def test_execution_traces_in_a_folder_are_not_ranks(tmp_path: Path) -> None:
+    folder = tmp_path / "ranks"
+    shutil.copytree(GLOO, folder)
+    (folder / "rank0.et.json").write_text('{"schema": "1.1.1", "nodes": []}')
+    run = analyze(folder, out=tmp_path / "run")
+    assert run.summary["ranks"]["count"] == 2

@@ -236,10 +236,13 @@ def rope_support(module: nn.Module | None, patcher: Patcher | None = None) -> At
     return _rotation_matches(modeling) or shape
 
 
-def rope_forward(shape: AttentionShape, modeling: ModuleType, rope: Callable[..., Any]) -> Callable[..., Any]:
+def rope_forward(shape: AttentionShape, modeling: ModuleType, rope: Callable[..., Any],
+                 rope_and_cache: Callable[..., Any] | None = None) -> Callable[..., Any]:  # fmt: skip
     """The forward of one attention instance: the class's forward (see `read_attention`) with `rope(q, k, cos, sin)`
-    in place of `apply_rotary_pos_emb`, in eval mode (`unless_training`). hidden_states: (B, S, hidden); returns
-    (attn_output, attn_weights)."""
+    in place of `apply_rotary_pos_emb`, in eval mode (`unless_training`). Under a static cache (`static_layer`) the
+    rotation and the cache write are one `rope_and_cache` launch: the rotated k and v go straight into the cache's
+    rows at its counter, which advances as `StaticLayer.update` advances it (a device op, so a CUDA graph replays
+    it). hidden_states: (B, S, hidden); returns (attn_output, attn_weights)."""
     names = dict(shape.arguments)
 
     def forward(
@@ -264,10 +267,18 @@ def rope_forward(shape: AttentionShape, modeling: ModuleType, rope: Callable[...
             key = self.k_norm(key)
         value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
-        query, key = rope(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
-        if cache is not None:
-            more = {"kwargs": kwargs} if shape.update_kwargs else {}
-            key, value = cache.update(key, value, self.layer_idx, **more)
+        layer = static_layer(cache, self.layer_idx) if cache is not None and rope_and_cache is not None else None
+        if layer is not None and layer.keys.dtype == query.dtype:
+            positions = torch.arange(query.shape[1], device=layer.keys.device) + layer.cumulative_length
+            layer.cumulative_length.add_(query.shape[1])
+            query = rope_and_cache(query.transpose(1, 2), key.transpose(1, 2), value, cos, sin, layer.keys,
+                                   layer.values, positions)  # fmt: skip
+            key, value = layer.keys, layer.values
+        else:
+            query, key = rope(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+            if cache is not None:
+                more = {"kwargs": kwargs} if shape.update_kwargs else {}
+                key, value = cache.update(key, value, self.layer_idx, **more)
         interface = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, modeling.eager_attention_forward
         )
@@ -285,10 +296,26 @@ def patch_rope(patcher: Patcher, path: str, owner: str) -> Support:
     shape = rope_support(module, patcher)
     if isinstance(shape, str):
         return Support.no(shape)
-    from fusionscope.kernels import rope
+    from fusionscope.kernels import rope, rope_and_cache
 
-    patcher.set_forward(module, rope_forward(shape, modeling_module(module), rope), owner=owner)
+    patcher.set_forward(module, rope_forward(shape, modeling_module(module), rope, rope_and_cache), owner=owner)
     return Support.yes()
+
+
+def static_layer(cache: Any, layer_idx: int) -> Any:
+    """The cache layer `layer_idx` when it is transformers' own `StaticLayer`, already allocated (its first write,
+    the prefill, allocates it through `update`): a fixed (B, Hk, S_max, D) keys/values pair written where its device
+    counter `cumulative_length` says, the semantics `rope_and_cache` reproduces (transformers 5.17 and 5.24 alike).
+    None for anything else — a DynamicCache, a sliding-window layer, a subclass — whose own `update` then runs."""
+    from transformers.cache_utils import StaticLayer
+
+    layers = getattr(cache, "layers", None)
+    if layers is None or layer_idx >= len(layers):
+        return None
+    layer = layers[layer_idx]
+    if type(layer) is not StaticLayer or not getattr(layer, "is_initialized", False):
+        return None
+    return layer
 
 
 @cache

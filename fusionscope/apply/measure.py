@@ -2,9 +2,14 @@
 profiled pass, and peak memory.
 
 The host's speed drifts during a run (an empty Triton launch measured 10–22 µs in different calls on the H200 host),
-so `apply` interleaves variants round by round (`interleaved`), rather than timing each in a block: drift then moves
-every variant alike and falls out of the ratios. GPU time comes from a profiled pass (kernel durations are not slowed
-by the profiler; the host is, so the profiled pass never gives wall time).
+so `apply` interleaves variants round by round (`interleaved`), rather than timing each in a block, and reverses the
+order every other round (A B C, C B A, ...) so a drift that is steady over a round favours no position. A speedup
+is the ratio of the fastest rounds (`fastest_speedup`): the H200 host runs in slow spells of several seconds (a
+llama-3.1-8b decode step at 28–30 ms in one round, 48–55 ms in the next, for the same variant, 2026-12-01), which
+only ever add time, so a variant's fastest round is the one least disturbed, and neither a median of three nor
+each round's own ratio (its baseline ran seconds apart) is safe from them. GPU time comes
+from a profiled pass (kernel durations are not slowed by the profiler; the host is, so the profiled pass never gives
+wall time).
 """
 
 from __future__ import annotations
@@ -50,6 +55,12 @@ class Measurement:
         return (min(values), max(values)) if values else None
 
 
+def fastest_speedup(baseline: Measurement, variant: Measurement, phase: str) -> float | None:
+    """The baseline's fastest round ÷ the variant's fastest round (see the module docstring for why not medians)."""
+    base, var = baseline.wall_ms.get(phase) or [], variant.wall_ms.get(phase) or []
+    return min(base) / min(var) if base and var and min(var) > 0 else None
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -57,12 +68,13 @@ def _sync(device: torch.device) -> None:
 
 def interleaved(workload: Workload, variants: dict[str, Variant], repeats: int, sampler: Any = None,
                 on_round: Callable[[int, str], None] | None = None) -> dict[str, Measurement]:  # fmt: skip
-    """Time every variant `repeats` times, round by round (A B C, A B C, ...), one timed pass per variant per round;
-    each pass's per-step medians per phase. Peak memory is the highest seen in any of the variant's passes."""
+    """Time every variant `repeats` times, round by round (A B C, C B A, A B C, ...), one timed pass per variant per
+    round; each pass's per-step medians per phase. Peak memory is the highest seen in any of the variant's passes."""
     results = {name: Measurement() for name in variants}
     cuda = workload.device.type == "cuda"
     for r in range(repeats):
-        for name, enter in variants.items():
+        order = list(variants.items())
+        for name, enter in order if r % 2 == 0 else order[::-1]:
             if on_round:
                 on_round(r, name)
             with enter():

@@ -19,6 +19,7 @@ Order of work, and why:
 from __future__ import annotations
 
 import shutil
+import statistics
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -80,16 +81,20 @@ def apply(
     temperature: float = 0.7,
     top_k: int = 50,
     top_p: float = 0.9,
+    graphs: bool = False,
     on_stage: Callable[[str], None] | None = None,
 ) -> ApplyRun:
     """Profile MODEL (or take `from_run`'s predictions), patch the fusions found (`fusions`: "all", "a,b" or a list),
-    check numerics, measure `repeats` interleaved rounds, and write the run folder. Returns an `ApplyRun`."""
+    check numerics, measure `repeats` interleaved rounds (`graphs`: also the decode step in a CUDA graph, beside
+    torch.compile, Liger and the weight-streaming floor), and write the run folder. Returns an `ApplyRun`."""
     settings = Settings(
         model, batch, prompt_len, decode_steps, dtype, device, warmup, remeasure, sample, temperature, top_k, top_p
     )
     wanted = parse_fusions(fusions)
     if repeats < 1:
         raise UsageError("--repeats must be ≥ 1")
+    if graphs and decode_steps < 1:
+        raise UsageError("--graphs measures the decode step: give --decode-steps ≥ 1")
     note = on_stage or (lambda _msg: None)
     t_start = time.perf_counter()
     earlier = load_run(from_run) if from_run is not None else None
@@ -122,7 +127,9 @@ def apply(
                 decode_steps=decode_steps,
                 sampling=settings.sampling,
             )
-        summary["apply"] = run_apply(workload, summary, wanted, repeats, tmp, note)
+        if graphs and workload.phases != ("prefill", "decode"):
+            raise UsageError(f"--graphs needs a generation model with a decode phase; {spec.name} has none")
+        summary["apply"] = run_apply(workload, summary, wanted, repeats, tmp, note, graphs)
         outcomes = pd.DataFrame(summary["apply"]["rows"])
         outcomes.to_csv(tmp / "apply.csv", index=False, float_format="%.6g")
         from fusionscope.run import command_line
@@ -200,7 +207,13 @@ def sites_to_patch(opportunities: list[dict], wanted: list[str] | None) -> tuple
 
 
 def run_apply(
-    workload: Any, summary: dict, wanted: list[str] | None, repeats: int, tmp: Path, note: Callable[[str], None]
+    workload: Any,
+    summary: dict,
+    wanted: list[str] | None,
+    repeats: int,
+    tmp: Path,
+    note: Callable[[str], None],
+    graphs: bool = False,
 ) -> dict:
     """The apply stages on a built workload; returns `summary["apply"]`."""
     import torch
@@ -300,12 +313,15 @@ def run_apply(
         "timing_note": "",
         "rows": [],
     }
+    graph_args = (workload, summary, passing, enter, ref, ref32, eager_raw, real_weights, repeats, note)
     if not gpu:
         result["timing_note"] = (
             "not measured: on a CPU the kernels run in the Triton interpreter, so a timing "
             "would measure the interpreter, not the kernels"
         )
         result["rows"] = numerics_rows(fusion_rows)
+        if graphs:
+            result["graphs"] = graph_variants(*graph_args, timing=None)
         return result
     if together_numerics and not together_numerics["passed"]:
         note("all passing fusions together failed numerics: measuring each alone only")
@@ -322,7 +338,45 @@ def run_apply(
         applied={f: row["applied"] for f, row in fusion_rows.items()},
     )
     result["rows"] = variant_rows(result["timing"], fusion_rows)
+    if graphs:
+        result["graphs"] = graph_variants(*graph_args, timing=result["timing"])
     return result
+
+
+def graph_variants(workload: Any, summary: dict, passing: list[str], enter: Callable[[list[str]], Any], ref: Any,
+                   ref32: Any, eager_raw: dict, real_weights: bool, repeats: int, note: Callable[[str], None],
+                   timing: dict | None) -> dict:  # fmt: skip
+    """`apply --graphs`: the graph alone, each passing fusion + graph, and fused + graph (decode's all together;
+    every passing fusion without timing), beside the peers (`graphs.run_graphs`), with the step model's predictions:
+    a graph alone removes `cuda_graph_share_unfused` of the eager step; fused + graph runs at the fused GPU time,
+    so its gain over the graph alone is the all-together GPU speedup. Greedy decoding (a graph step picks by
+    argmax), so the sampling fusion takes no part."""
+    from fusionscope.apply import graphs
+
+    model_fusions = [f for f in passing if f != "sampling"]
+    together = model_fusions
+    eager_ms = None
+    if timing is not None:
+        label = timing["all_together"].get("decode", ALL_TOGETHER)
+        together = [f for f in timing["variants"].get(label, {}).get("fusions", model_fusions) if f != "sampling"]
+        eager_ms = timing["variants"][BASELINE]["phases"].get("decode", {}).get("wall_ms")
+    variants = {graphs.GRAPH: [], **{f"{f} + graph": [f] for f in model_fusions}}
+    if together:
+        variants[graphs.FUSED_GRAPH] = together
+    out = graphs.run_graphs(workload, variants, enter, ref, ref32, eager_raw, real_weights, repeats,
+                            summary.get("roofs", {}).get("copy_gbps"), eager_ms, note)  # fmt: skip
+    plan = summary.get("cumulative", {}).get("decode") or {}
+    share = plan.get("cuda_graph_share_unfused")
+    fused_gpu = predicted(summary, "decode", together).get("speedup_gpu") if together else None
+    out["predicted"] = {
+        "graph_vs_eager": 1 / (1 - share) if share is not None and share < 1 else None,
+        "fused_graph_vs_graph": fused_gpu,
+        "cuda_graph_share": plan.get("cuda_graph_share"),
+        "cuda_graph_share_unfused": share,
+    }
+    measured = out.get("fused_vs_graph")
+    out["error_fused_vs_graph"] = measured / fused_gpu - 1 if measured and fused_gpu else None
+    return out
 
 
 def json_safe(figures: dict) -> dict:
@@ -421,11 +475,13 @@ def measure_variants(
 
 
 def clearly_slower(variant: Any, baseline: Any, phase: str) -> bool:
-    """Whether a fusion measured slower alone in `phase` beyond the host's noise: its median round is slower than the
-    baseline's median, and so is its fastest round. (On the H200 host a baseline's rounds spread by up to 60%; a
-    median alone would flip a fusion in or out from one run to the next.)"""
-    base, median, spread = baseline.wall(phase), variant.wall(phase), variant.spread(phase)
-    return bool(base and median and spread) and median > base and spread[0] > base
+    """Whether a fusion measured slower alone in `phase` beyond the host's noise: its fastest round slower than the
+    baseline's fastest, and its median slower than the baseline's median. (The host's slow spells can land on
+    either side; a fusion that loses only to a spell keeps one of the two.)"""
+    base, var = baseline.wall_ms.get(phase) or [], variant.wall_ms.get(phase) or []
+    if not base or not var:
+        return False
+    return min(var) > min(base) and statistics.median(var) > statistics.median(base)
 
 
 def _timed_set(workload: Any, variants: dict[str, list[str]], enter: Callable[[list[str]], Any], sampler: Any,
@@ -470,7 +526,13 @@ def predicted(summary: dict, phase: str, fusions: list[str],
                 "saved_gpu_us": None}  # fmt: skip
     ops = sum((r.get("ops_now") or 0.0) * share[id(r)] for r in rows)
     launches = sum((r.get("launches_fused") or 0.0) * share[id(r)] for r in rows)
-    gain = amdahl.speedup(model, saved, ops, launches)
+    # profiled host time of the groups; runs written before it was recorded have none (ops × mean cost stand in)
+    host = (
+        sum((r.get("host_now_us") or 0.0) * share[id(r)] for r in rows)
+        if all("host_now_us" in r for r in rows)
+        else None
+    )
+    gain = amdahl.speedup(model, saved, ops, launches, host)
     return {
         "speedup_gpu": gain.gpu,
         "speedup_wall": gain.wall,
@@ -478,6 +540,7 @@ def predicted(summary: dict, phase: str, fusions: list[str],
         "saved_host_us": gain.saved_host_us,
         "paced_by": model.paced_by,
         "ops_removed": ops,
+        "host_removed_us": gain.saved_host_us + launches * model.launch_us,
         "launches_added": launches,
         "host_us_per_op": model.host_us_per_op,
         "launch_us": model.launch_us,
@@ -492,6 +555,8 @@ def phase_figures(summary: dict, phase: str, fusions: list[str], m: Any, base: A
                   applied: dict[str, list[str]] | None = None) -> dict:  # fmt: skip
     """Measured vs predicted for one variant in one phase (wall from the interleaved rounds, GPU from the profiled
     pass), with the error measured ÷ predicted − 1 and the step-model term that was further off."""
+    from fusionscope.apply.measure import fastest_speedup
+
     wall, wall_base = m.wall(phase), base.wall(phase)
     row: dict[str, Any] = {
         "wall_ms": wall,
@@ -501,7 +566,9 @@ def phase_figures(summary: dict, phase: str, fusions: list[str], m: Any, base: A
         "baseline_gpu_ms": gpu_base.get("gpu_ms"),
         "kernels": gpu.get("kernels"),
         "baseline_kernels": gpu_base.get("kernels"),
-        "measured_speedup_wall": _ratio(wall_base, wall),
+        "wall_ms_rounds": list(m.wall_ms.get(phase) or []),
+        "baseline_wall_ms_rounds": list(base.wall_ms.get(phase) or []),
+        "measured_speedup_wall": fastest_speedup(base, m, phase),
         "measured_speedup_gpu": _ratio(gpu_base.get("gpu_ms"), gpu.get("gpu_ms")),
     }
     if not fusions:
@@ -527,15 +594,20 @@ def phase_figures(summary: dict, phase: str, fusions: list[str], m: Any, base: A
 
 def implied_launch_us(summary: dict, phase: str, pred: dict, wall_ms: float | None,
                       baseline_wall_ms: float | None) -> float | None:  # fmt: skip
-    """The host µs per fused launch that a measurement implies, to set beside the step model's (an empty Triton
-    launch). In a host-bound step, wall after = host before − ops removed × host cost per op + launches added × cost
-    per fused launch; the cost per op comes from the measured baseline of the same interleaved set. None where the
-    step is not host-paced or a figure is missing."""
+    """The host µs per fused call that a measurement implies, to set beside the step model's. In a host-paced step,
+    wall after = wall before − host time removed + calls added × cost per call; the host time removed is the model's,
+    rescaled to the measured baseline of the same interleaved set (the host's speed differs between the profile and
+    the rounds). None where the step is not host-paced or a figure is missing."""
     if pred.get("paced_by") != "host" or not wall_ms or not baseline_wall_ms or not pred.get("launches_added"):
         return None
-    per_op = 1e3 * baseline_wall_ms / max(float(summary["phases"][phase].get("ops_per_step") or 0.0), 1.0)
-    host_left = 1e3 * baseline_wall_ms - pred["ops_removed"] * per_op
-    return (1e3 * wall_ms - host_left) / pred["launches_added"]
+    model_wall = 1e3 * (summary["phases"][phase].get("wall_ms_per_step_unprofiled")
+                        or summary["phases"][phase].get("wall_ms_per_step") or 0.0)  # fmt: skip
+    if "host_removed_us" in pred and model_wall:
+        removed = pred["host_removed_us"] * 1e3 * baseline_wall_ms / model_wall
+    else:  # runs recorded before host spans: ops × the baseline's mean cost per op
+        removed = pred["ops_removed"] * 1e3 * baseline_wall_ms / max(float(summary["phases"][phase].get("ops_per_step")
+                                                                           or 0.0), 1.0)  # fmt: skip
+    return (1e3 * wall_ms - (1e3 * baseline_wall_ms - removed)) / pred["launches_added"]
 
 
 def term_off(row: dict, paced_by: str | None) -> str:

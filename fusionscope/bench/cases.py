@@ -30,6 +30,8 @@ CACHE_LEN = 4096  # static KV cache length for rope_and_cache
 GLU_PREFILL_ROWS = (4096, 16384)
 QKV = (4096, (4096, 1024, 1024), (1, 16, 64, 256))  # hidden, output sizes, rows (Llama-3-8B's q, k, v)
 LINEAR = (4096, 16384)  # hidden → intermediate of a GPT-style MLP
+W4A16_ROWS = (1, 4, 16)  # decode rows of the int4 GEMM (prefill: PREFILL_ROWS[0]); shapes from HIDDEN and INTERMEDIATE
+W4A16_GROUP = 128
 EPS = 1e-6
 
 
@@ -338,6 +340,70 @@ def linear_act_case(rows: int, hidden: int, width: int, activation: str = "gelu_
     )
 
 
+def _torchao_int4(group_size: int) -> tuple[Callable[[torch.Tensor], Any] | None, str]:
+    """(a builder of torchao's int4 weight-only Linear from a float (N, K) weight, torchao's version), or (None, why
+    it is not available here)."""
+    try:
+        import torchao
+        from torchao.quantization import quantize_
+    except Exception as exc:
+        return None, f"torchao is not importable here ({type(exc).__name__}: {exc})"
+    try:
+        from torchao.quantization import Int4WeightOnlyConfig as config
+    except ImportError:  # torchao before 0.10 named it as a function
+        from torchao.quantization import int4_weight_only as config
+
+    def make(weight: torch.Tensor) -> torch.nn.Module:
+        linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+        linear.weight.data.copy_(weight)
+        quantize_(linear, config(group_size=group_size))
+        return linear
+
+    return make, str(torchao.__version__)
+
+
+def w4a16_case(rows: int, K: int, N: int, group_size: int = W4A16_GROUP) -> Case:
+    """x (rows, K) @ an int4 (K → N) weight quantised from a random one: our fused kernel vs the unfused chain
+    (`eager`: dequantise into a full weight, then cuBLAS), cuBLAS on the float weight before quantisation
+    (`unquantized`; its max_err is the quantisation's, not a kernel's) and torchao's int4 weight-only GEMM where torchao
+    imports (its version in the variant's name; where it does not, the `torchao` variant fails saying so). Traffic is
+    what the fused kernel reads and writes: x, the packed weight, scales, zeros and the output."""
+    mod = kernel_module("w4a16_gemm")
+    make_torchao, torchao_version = _torchao_int4(group_size)
+
+    def build(dev: torch.device, dt: torch.dtype) -> dict[str, Any]:
+        w = torch.randn(N, K, device=dev, dtype=dt) / K**0.5
+        packed = mod.quantize_w4(w, group_size)
+        return {"x": torch.randn(rows, K, device=dev, dtype=dt), "w": w, "qweight": packed.qweight,
+                "scales": packed.scales, "zeros": packed.zeros}  # fmt: skip
+
+    def packed(i: dict[str, Any]) -> tuple:
+        return i["x"], i["qweight"], i["scales"], i["zeros"], group_size
+
+    def torchao(i: dict[str, Any]) -> torch.Tensor:
+        if make_torchao is None:
+            raise RuntimeError(torchao_version)
+        if "torchao" not in i:
+            i["torchao"] = make_torchao(i["w"])
+        return i["torchao"](i["x"])
+
+    return Case(
+        "w4a16_gemm",
+        f"{rows}x{K}->{N} g{group_size}",
+        "decode" if rows <= max(W4A16_ROWS) else "prefill",
+        build=build,
+        traffic=lambda i: nbytes(i["x"], i["qweight"], i["scales"], i["zeros"]) + rows * N * i["x"].element_size(),
+        variants={
+            "eager": lambda i: mod.w4a16_reference(*packed(i)),
+            "fusionscope": lambda i: mod.w4a16_gemm(*packed(i)),
+            "unquantized": lambda i: F.linear(i["x"], i["w"]),
+            f"torchao-{torchao_version}" if make_torchao else "torchao": torchao,
+        },
+        reference=lambda i: mod.w4a16_reference(_f64(i)["x"], i["qweight"], _f64(i)["scales"], i["zeros"], group_size),
+        extra={"group_size": group_size, "torchao": torchao_version},
+    )
+
+
 def hf_sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """Hugging Face's logits-processor chain as `generate()` applies it, then softmax and multinomial."""
     from transformers.generation.logits_process import (
@@ -457,6 +523,14 @@ def linear_act_cases() -> list[Case]:
     return [linear_act_case(rows, *LINEAR) for rows in (*DECODE_ROWS, PREFILL_ROWS[0])]
 
 
+def w4a16_gemm_cases() -> list[Case]:
+    """Llama-3-8B's projections at decode and prefill rows: hidden → hidden, hidden → intermediate, intermediate →
+    hidden."""
+    hidden = HIDDEN[0]
+    shapes = ((hidden, hidden), (hidden, INTERMEDIATE), (INTERMEDIATE, hidden))
+    return [w4a16_case(rows, K, N) for K, N in shapes for rows in (*W4A16_ROWS, PREFILL_ROWS[0])]
+
+
 def sample_cases() -> list[Case]:
     return [sample_case(batch, VOCAB) for batch in (1, 64)]
 
@@ -476,6 +550,7 @@ CASES: dict[str, Callable[[], list[Case]]] = {
     "add_layer_norm": add_layer_norm_cases,
     "bias_gelu": bias_gelu_cases,
     "linear_act": linear_act_cases,
+    "w4a16_gemm": w4a16_gemm_cases,
     "sample": sample_cases,
     "qkv": qkv_cases,
 }

@@ -126,10 +126,11 @@ def micro_case(graph: Graph, match: Match) -> Case | None:
 
 def patch(patcher: Patcher, paths: list[str]) -> dict[str, Support]:
     """Rewrite each attention module at `paths` (`model.layers.i.self_attn`) so that q and k are rotated by one
-    `fusionscope.kernels.rope` launch (`fusionscope.apply.attention`). The cache write is not fused: under a
-    DynamicCache it is a growing `torch.cat` that stays with the cache object; `rope_and_cache` needs a static cache
-    (`--graphs`). Attention forwards that differ from the Llama shape (Phi-3's fused qkv_proj, ...) are refused with
-    the statement that differs; in training mode the class's forward runs."""
+    `fusionscope.kernels.rope` launch (`fusionscope.apply.attention`). Under a DynamicCache the cache write stays with
+    the cache object (a growing `torch.cat`); under transformers' StaticCache (`apply --graphs`), once its first write
+    allocated the rows, the rotation and the K/V write are one `rope_and_cache` launch. Attention forwards that
+    differ from the Llama shape (Phi-3's fused qkv_proj, ...) are refused with the statement that differs; in training
+    mode the class's forward runs."""
     from fusionscope.apply.attention import patch_rope
 
     results = {}

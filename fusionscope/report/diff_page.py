@@ -128,6 +128,25 @@ def kernel_table(table_id: str, kernels: list[Any]) -> str:
     return _table(table_id, [("kernel", False), ("µs/step", True), ("calls/step", True)], rows) + note
 
 
+def hta_section(hta: Any) -> list[str]:
+    """HTA's trace diff, when both sides were traces: its rows, or why there are none."""
+    if not isinstance(hta, Mapping):
+        return []
+    rows = []
+    for r in hta.get("rows") or []:
+        r = _mapping(r)
+        cells = [_cell(_esc(r.get("name")), r.get("name"))]
+        cells += [_cell(fmt_count(r.get(k)), as_float(r.get(k)), True) for k in ("count_a", "count_b")]
+        cells += [_cell(fmt_num(r.get(k)), as_float(r.get(k)), True) for k in ("us_a", "us_b")]
+        cells.append(_cell(fmt_delta(r.get("delta_us")), as_float(r.get("delta_us")), True))
+        rows.append("<tr>" + "".join(cells) + "</tr>")
+    columns = [("op or kernel", False), ("count A", True), ("count B", True), ("µs A", True), ("µs B", True),
+               ("Δ µs", True)]  # fmt: skip
+    body = _table("diff-hta", columns, rows) if rows else _empty(f"HTA's trace diff: {hta.get('source')}.")
+    return [_section("HTA trace diff", "Op and kernel counts and total time in the first step of each trace "
+                     "(HolisticTraceAnalysis' TraceDiff), largest change first.", body, "hta")]  # fmt: skip
+
+
 def step_time_figure(phases: Mapping[str, Any]) -> go.Figure | None:
     """Grouped bars: per phase, ms/step of A and of B (unprofiled wall time where the runs have it)."""
     names, values = [], {"A": [], "B": []}
@@ -198,6 +217,7 @@ def render_diff_page(result: Mapping[str, Any]) -> str:
             "".join(per_phase) or _empty("Neither run has a phase."),
             "details",
         ),
+        *hta_section(result.get("hta")),
         "</main>",
         "<footer>fusionscope diff · self-contained report, no network needed</footer>",
     ]

@@ -125,6 +125,7 @@ def _run_card(summary: Mapping[str, Any]) -> str:
         ("read-heavy bandwidth", fmt_unit(roofs.get("read_heavy_gbps"), "GB/s")),
         ("peak TFLOP/s", peaks),
         ("launch overhead", fmt_unit(roofs.get("launch_us"), "µs")),
+        ("fused call host cost", fmt_unit(roofs.get("fused_call_us"), "µs")),
         ("aten op host cost", fmt_unit(roofs.get("aten_op_host_us"), "µs")),
         ("datasheet", sheet_text),
         ("roofs", f"{_esc(roofs.get('source'))}, measured {html.escape(fmt_timestamp(roofs.get('measured_at')))}"),

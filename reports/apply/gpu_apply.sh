@@ -8,6 +8,7 @@ set -uo pipefail
 out=${1:?usage: gpu_apply.sh OUT_DIR SET}
 set_name=${2:?usage: gpu_apply.sh OUT_DIR SET}
 work=$(mktemp -d)
+repo=$(cd "$(dirname "$0")/../.." && pwd)
 log=$out/gpu_apply_${set_name//,/-}.log
 exec > >(tee "$log") 2>&1
 echo "date: $(date -u +%FT%TZ)"
@@ -25,7 +26,13 @@ for one in ${set_name//,/ }; do
                   "gemma-2-2b --prompt-len 512 --decode-steps 32 --repeats 3") ;;
     large) runs+=("qwen2.5-7b --prompt-len 512 --decode-steps 32 --repeats 3"
                   "mistral-7b --prompt-len 512 --decode-steps 32 --repeats 3") ;;
-    tests|host) ;;
+    graphs1b) runs+=("llama-3.2-1b --prompt-len 128 --decode-steps 16 --repeats 2 --graphs") ;;
+    graphs8b) runs+=("llama-3.1-8b --prompt-len 512 --decode-steps 64 --repeats 5 --graphs") ;;
+    graphs8b16) runs+=("llama-3.1-8b --batch 16 --prompt-len 512 --decode-steps 64 --repeats 3 --graphs") ;;
+    graphs-small) runs+=("qwen2.5-7b --prompt-len 512 --decode-steps 64 --repeats 3 --graphs"
+                         "gemma-2-2b --prompt-len 512 --decode-steps 64 --repeats 3 --graphs") ;;
+    mistral) runs+=("mistral-7b --prompt-len 512 --decode-steps 32 --repeats 3") ;;
+    tests|host|silu|w4a16) ;;
     *) echo "unknown set $one"; exit 2 ;;
   esac
 done
@@ -42,7 +49,17 @@ fi
 
 if [[ ",$set_name," == *",host,"* ]]; then
   # Where a patched eager decode step spends its host time (cProfile per variant), for the note on prediction misses.
-  (cd "$work" && timeout 200 python3 "$OLDPWD/reports/apply/host_breakdown.py" "$out/host_breakdown.json") 2>&1 | tail -60
+  (cd "$work" && timeout 200 python3 "$repo/reports/apply/host_breakdown.py" "$out/host_breakdown.json") 2>&1 | tail -60
+fi
+
+if [[ ",$set_name," == *",silu,"* ]]; then
+  # silu_and_mul's flat schedule for two contiguous tensors against its row schedule, torch.compile and eager.
+  (cd "$work" && timeout 150 python3 "$repo/reports/bench/tune_silu.py" "$out/tune_silu.json") 2>&1 | tail -50
+fi
+
+if [[ ",$set_name," == *",w4a16,"* ]]; then
+  # The W4A16 kernel checked and timed against dequant + cuBLAS and bf16 cuBLAS (reports/w4a16/).
+  (cd "$work" && timeout 210 python3 "$repo/reports/w4a16/gpu_w4a16.py" "$out") 2>&1 | tail -40
 fi
 
 pack() {
@@ -53,6 +70,7 @@ first=1
 for run in "${runs[@]}"; do
   name=${run%% *}
   tag="$name$(echo "${run#* }" | grep -o -- '--batch [0-9]*' | tr -d ' -')"
+  [[ $run == *--graphs* ]] && tag="$tag-graphs"
   folder=$work/$tag
   echo "=== fusionscope apply $run"
   t0=$(date +%s.%N)

@@ -8,6 +8,14 @@ would capture it (no fusionscope phases, no module ranges).
   each profiling 4 steps (after 2 warm-up ones) of matmul + all_reduce; rank 1 runs 12x the matmuls per step, so
   it is the straggler and rank 0 waits for it inside the all_reduce. torch writes `distributedInfo.rank` once the
   process group is initialised.
+- `traces/llama-et.trace.json.gz` and `traces/llama-et.et.json.gz`: a 2-layer Llama (hidden 64, 4 heads, 2 KV heads,
+  random weights, bf16) run as a program of its own would run it — a prefill of 8 tokens, then 2 decode steps with
+  its KV cache, each step a `ProfilerStep#N` range — with `nn.Module: <path>` ranges (fusionscope's module hooks)
+  and PyTorch's execution trace (`ExecutionTraceObserver`) recorded beside the Kineto trace: the tensor identities
+  `analyze` uses for exact dataflow.
+- `traces/train-steps.trace.json.gz`: a training loop of a small MLP (Linear → GELU → Linear, AdamW), 2 recorded
+  steps after 1 warm-up step: forward, loss, `backward()` (autograd's engine runs it on a thread of its own on the
+  CPU) and `optimizer.step()` (its `Optimizer.step#AdamW.step` range).
 
 Run from the repository root: `.venv/bin/python tests/data/make_trace_fixtures.py` (a few seconds, tens of KB each).
 """
@@ -87,6 +95,62 @@ def _gloo_rank(rank: int, world: int, port: int, folder: Path, steps: int) -> No
     dist.destroy_process_group()
 
 
+def tiny_llama() -> tuple[nn.Module, torch.Tensor]:
+    """A 2-layer Llama of random weights in bf16 and an 8-token prompt (transformers' own classes)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)  # fmt: skip
+    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    return model, torch.randint(0, 128, (1, 8))
+
+
+def with_execution_trace(folder: Path, decode_steps: int = 2) -> None:
+    """Prefill, then greedy decode steps, under the profiler and the execution trace observer."""
+    from torch.profiler import ExecutionTraceObserver, record_function
+
+    from fusionscope.capture import _forward_kwargs, module_ranges
+
+    model, ids = tiny_llama()
+    cache_kw = _forward_kwargs(model)["cache"]
+    kineto, et = folder / "llama-et.trace.json.gz", folder / "llama-et.et.json"
+    observer = ExecutionTraceObserver().register_callback(str(et))
+    with (
+        torch.inference_mode(),
+        module_ranges(model),
+        profile(activities=[ProfilerActivity.CPU], record_shapes=True, execution_trace_observer=observer) as prof,
+    ):
+        with record_function("ProfilerStep#0"):
+            out = model(input_ids=ids, use_cache=True)
+        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        for step in range(1, decode_steps + 1):
+            with record_function(f"ProfilerStep#{step}"):
+                out = model(input_ids=token, use_cache=True, **{cache_kw: cache})
+            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    _export(prof, kineto)
+    with et.open("rb") as src, gzip.open(et.with_name(et.name + ".gz"), "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    et.unlink()
+
+
+def training(path: Path, steps: int = 2) -> None:
+    """Forward, loss, backward and AdamW step of a (16, 32) batch through Linear → GELU → Linear."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = torch.randn(16, 32), torch.randn(16, 8)
+    plan = schedule(wait=0, warmup=1, active=steps, repeat=1)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, schedule=plan,
+                 on_trace_ready=lambda p: _export(p, path)) as prof:  # fmt: skip
+        for _ in range(1 + steps):
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            prof.step()
+
+
 def _export(prof: profile, path: Path) -> None:
     """Chrome trace export writes plain JSON; gzip it when the name asks for it."""
     raw = path.with_name(path.name.removesuffix(".gz"))
@@ -102,6 +166,8 @@ def main() -> None:
     with_steps(TRACES / "cpu-steps.trace.json.gz")
     plain(TRACES / "cpu-plain.trace.json")
     gloo_ranks(TRACES / "gloo-2ranks")
+    with_execution_trace(TRACES)
+    training(TRACES / "train-steps.trace.json.gz")
     for path in sorted(p for p in TRACES.rglob("*") if p.is_file()):
         print(f"{path}: {path.stat().st_size / 1024:.1f} KB")
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from fusionscope.kernels.silu_and_mul import silu_and_mul, silu_and_mul_reference
+from fusionscope.kernels.silu_and_mul import FLAT, silu_and_mul, silu_and_mul_reference
 from fusionscope.kernels.tolerances import assert_close
 
 from tests.kernels.conftest import device, poisoned, randn
@@ -121,3 +121,17 @@ def test_bad_inputs() -> None:
         silu_and_mul(gate, out=poisoned((3, 5), torch.float32))
     with pytest.raises(ValueError, match="do not collapse"):
         silu_and_mul(randn(2, 3, 4, 10, dtype=torch.float16).permute(2, 0, 1, 3)[:, :, ::2])
+
+
+@pytest.mark.parametrize("block", [128, 1024])
+def test_contiguous_operands_run_flat_across_row_ends(block: int, dtype: torch.dtype, monkeypatch) -> None:
+    """Contiguous gate, up and out take the flat schedule: a block spans row ends and the last one is partial
+    (2 × 5 × 333 = 3330 elements); the same values as the row schedule gives for strided copies of the inputs."""
+    monkeypatch.setitem(FLAT, "BLOCK", block)
+    gate, up = randn(2, 5, 333, dtype=dtype), randn(2, 5, 333, dtype=dtype)
+    out = poisoned((2, 5, 333), dtype)
+    silu_and_mul(gate, up, out=out)
+    _check(out, gate, up)
+    strided = poisoned((2, 5, 333), dtype)
+    silu_and_mul(gate.transpose(0, 1).contiguous().transpose(0, 1), up, out=strided)  # not contiguous: rows
+    assert torch.equal(out, strided)

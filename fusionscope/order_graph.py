@@ -1,0 +1,424 @@
+"""A dataflow for a trace without tensor identities: nodes from the op tree, edges inferred from op order, shapes
+and module/op nesting, in the table `fusionscope.dataflow` records, so that the fusion catalogue's matchers and
+estimates run on it unchanged (`analyze`).
+
+Nodes are the ops the dataflow recorder would see: the outermost ops that run a kernel of their own. An op whose
+every schema overload is CompositeImplicitAutograd (`aten::linear`, `aten::to`, `aten::matmul`, `aten::reshape`,
+`aten::scaled_dot_product_attention`) is looked through to its children, as eager execution decomposes it; one with
+no children did nothing (`.to(dtype)` of a tensor already in that dtype); whatever runs inside a node (`copy_` inside
+`_to_copy`) belongs to it. A node's outputs are re-derived from its arguments (`fusionscope.op_outputs`).
+
+An input's producer is an earlier node of the same thread and step whose output has the input's shape and dtype,
+chosen among those a Python program could still hold there — a value made inside a module (or a composite op) and
+read there is private to it: nothing outside reads it again; what a module leaves unread is what it returns — by
+these rules, in order (each is how eager PyTorch code reads; each has the Llama decoder's case that shows it):
+
+1. A view reads a variable, not a pending product of it and another tensor: `x·cos + rotate_half(x)·sin` slices
+   x, not x·cos.
+2. A value nothing has read yet, the newest first (expression temporaries are consumed last-made, first-used); but
+   of unread views of different values made in one scope the oldest (`q, k, v = …; rope(q, k)`), of values one op
+   made side by side the oldest (`cos = …; sin = …`), of a sub-module's results the first.
+3. What the previous sibling module (or composite op) read at the same place: q, k and v projections read one input.
+4. Of values already read: one the reader's module already took in, or made itself, before one from outside it not
+   yet read there (a module reads its arguments), then one it made itself before one a sub-module returned
+   (`h + mlp(norm(h))` adds h, not the norm's output), then the one read longest ago (`x · rsqrt(mean(x²))`
+   multiplies x, read once by `pow`, not `x²`).
+An elementwise op whose inputs all have its output's shape and dtype (`h = h + attn(h)`) and an in-place op
+replace what they read. The edges can be wrong where two values share shape and dtype and these rules pick the
+wrong one, so matches on them carry a lower confidence (basis "op order"); `fusionscope.execution_trace` gives exact
+edges where PyTorch's execution trace was captured beside the Kineto trace.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+import pandas as pd
+
+from fusionscope.dataflow import LEAF, NODE_COLUMNS, VIEW_LIKE_OPS
+from fusionscope.op_outputs import Arguments, Sig, op_outputs, short_name
+from fusionscope.roofline import _ELEMENTWISE, dtype_name
+
+BASIS_DATAFLOW = "dataflow"
+BASIS_ORDER = "op order"
+BASIS_EXECUTION_TRACE = "execution trace"
+NOT_TENSORS = frozenset({"Scalar", "ScalarList", "", "GenericList", "TensorList", "Device", "Layout", "MemoryFormat"})
+TWINNED = ("aten::cat", "aten::stack")  # made side by side by a cache update, never one into the other
+WRAPPED = ("float64", "int64")  # how the trace types a Python float or int operand of an elementwise op
+dtype_of = cache(dtype_name)  # a handful of distinct type strings, looked up once per tensor argument
+
+
+@cache
+def schema_facts(name: str, device_kind: str) -> tuple[bool, bool]:
+    """(composite, view) for an op name: composite when every overload torch knows is CompositeImplicitAutograd
+    without a kernel for the device (decomposed in eager mode), view when an overload returns an alias of its input.
+    Names torch does not know (other namespaces, TorchScript builtins) are neither."""
+    import torch
+
+    if not name.startswith("aten::"):
+        return False, False
+    packet = getattr(torch.ops.aten, short_name(name), None)
+    if packet is None:
+        return False, False
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    composite, total, view = 0, 0, short_name(name) in {n.removeprefix("aten::") for n in VIEW_LIKE_OPS}
+    for overload in packet.overloads():
+        if "out" in overload.split("_"):
+            continue
+        qualified = name if overload == "default" else f"{name}.{overload}"
+        try:
+            cia = has(qualified, "CompositeImplicitAutograd") and not has(qualified, device_kind.upper())
+            returns = getattr(packet, overload)._schema.returns
+        except (RuntimeError, AttributeError):
+            continue  # TorchScript-only overloads (`aten::add.t`) are not in the dispatcher
+        total += 1
+        composite += cia
+        alias = returns[0].alias_info if returns else None
+        view = view or (alias is not None and not alias.is_write)
+    return total > 0 and composite == total, view
+
+
+class _Value:
+    """One output of one node, as the rules see it."""
+
+    __slots__ = (
+        "chain",
+        "derived",
+        "dtype",
+        "elementwise",
+        "id",
+        "last_read",
+        "max_shared",
+        "modules",
+        "node",
+        "op",
+        "pos",
+        "reads",
+        "seen_by",
+        "shape",
+        "source",
+        "superseded",
+        "view",
+    )  # fmt: skip
+
+    def __init__(self, vid: int, node: int, op: str, sig: Sig, chain: tuple, view: bool, elementwise: bool,
+                 derived: tuple[int, ...]) -> None:  # fmt: skip
+        self.id, self.node, self.pos, self.op, self.chain, self.view = vid, node, node, op, chain, view
+        self.modules = _modules(chain)  # a composite op returns its last child's value: only modules nest returns
+        self.shape, self.dtype = sig
+        self.elementwise, self.derived = elementwise, derived
+        self.source = -1  # a view's: the value it views
+        self.seen_by: set = set()  # the module instances (at every level) of its readers
+        self.reads, self.last_read, self.max_shared, self.superseded = 0, -1, 0, False
+
+
+def _modules(chain: tuple) -> tuple:
+    return tuple(level for level in chain if level[0] != "op")
+
+
+def _common(a: tuple, b: tuple) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+Tensors = list[tuple[tuple[int, ...], str | None]]
+
+
+def tensor_inputs(dims: object, types: object, elementwise: bool) -> tuple[Tensors, list[tuple[int, int]], list[int]]:
+    """The tensor arguments in order (a TensorList's members flattened, dtype unknown), where each sits (argument
+    position, member index or -1), and the positions of the other arguments. A zero-dim double or int64 operand of
+    an elementwise op is a Python number the dispatcher wrapped (`variance + eps`), which the recorder sees as a
+    scalar."""
+    tensors: Tensors = []
+    where: list[tuple[int, int]] = []
+    others: list[int] = []
+    if not isinstance(dims, list | tuple) or not isinstance(types, list | tuple):
+        return tensors, where, others
+    for i, (d, t) in enumerate(zip(dims, types)):
+        dtype = dtype_of(t) if isinstance(t, str) and t not in NOT_TENSORS else None
+        if t == "TensorList" and isinstance(d, list | tuple):
+            members = [m for m in d if isinstance(m, list | tuple)]
+            tensors.extend((tuple(m), None) for m in members)
+            where.extend((i, j) for j in range(len(members)))
+        elif (
+            dtype is not None and isinstance(d, list | tuple) and not (elementwise and i and not d and dtype in WRAPPED)
+        ):
+            tensors.append((tuple(d), dtype))
+            where.append((i, -1))
+        else:
+            others.append(i)
+    return tensors, where, others
+
+
+class _Segment:
+    """The inference over one thread's nodes in one step."""
+
+    def __init__(self) -> None:
+        self.values: list[_Value] = []
+        self.by_sig: dict[tuple, list[_Value]] = {}
+        self.by_shape: dict[tuple, list[_Value]] = {}
+        self.chosen: dict[int, list[int]] = {}  # node → value id per tensor input (-1: none)
+        self.instance_nodes: dict[object, list[int]] = {}
+        self.children: dict[object, list[object]] = {}
+        self.parent: dict[object, object] = {}
+        self.name: dict[int, str] = {}
+        self.signature: dict[int, tuple] = {}  # node → its tensor inputs' shapes and dtypes
+
+    def pool(self, shape: tuple, dtype: str | None, chain: tuple) -> list[_Value]:
+        """Values of this shape (and dtype) the reader can still see; dead ones are dropped for good."""
+        key = (shape, dtype) if dtype is not None else shape
+        listed = (self.by_sig if dtype is not None else self.by_shape).get(key, [])
+        alive, seen = [], []
+        for v in listed:
+            if v.superseded or v.max_shared > _common(v.chain, chain):
+                continue  # replaced, or private to a scope the reader is outside of: no later reader sees it
+            alive.append(v)
+            seen.append(v)
+        listed[:] = alive
+        return seen
+
+    def pick(self, node: int, which: int, chain: tuple, view: bool, pool: list[_Value]) -> _Value | None:
+        if not pool:
+            return None
+        unread = [v for v in pool if v.reads == 0]
+        if self.name[node] in TWINNED:  # keys then values: the second cat appends the values, not the first's result
+            unread = [v for v in unread if v.op != self.name[node] or self.signature[v.node] != self.signature[node]]
+        newest = max(unread, key=lambda v: v.pos) if unread else None
+        if view and newest is not None and newest.elementwise and not newest.view:  # rule 1
+            ids = {v.id for v in pool}
+            source = next((self.values[d] for d in newest.derived if d in ids), None)
+            if source is not None:
+                return source
+        if newest is not None:  # rule 2
+            if newest.view:  # of views of different values made in one scope, the oldest; of one value's, the newest
+                views = [v for v in unread if v.view and v.chain == newest.chain]
+                return min((v for v in views if v is newest or v.source != newest.source), key=lambda v: v.pos)
+            modules = _modules(chain)
+            depth = _common(newest.modules, modules)
+            if len(newest.modules) > depth:  # returned by a module the reader is outside of: its results in order
+                call = newest.modules[depth]
+                return min((v for v in unread if len(v.modules) > depth and v.modules[depth] == call),
+                           key=lambda v: v.pos)  # fmt: skip
+            # values made side by side by one op in one scope (cos and sin, keys and values) are read in order
+            return min((v for v in unread if v.op == newest.op and v.chain == newest.chain), key=lambda v: v.pos)
+        analog = self.analog(node, which, chain, {v.id for v in pool})  # rule 3
+        if analog is not None:
+            return analog
+        modules = _modules(chain)  # rule 4
+        home = modules[-1] if modules else None
+
+        def rank(v: _Value) -> tuple:
+            meet = _common(v.modules, modules)
+            new_argument = meet < len(modules) and home not in v.seen_by  # from outside, not yet read in here
+            returned = len(v.modules) > meet == len(modules)  # a sub-module of the reader's module returned it
+            return new_argument, returned, v.last_read, v.pos
+
+        return min(pool, key=rank)
+
+    def analog(self, node: int, which: int, chain: tuple, ids: set[int]) -> _Value | None:
+        """What the node at the same place in the nearest earlier sibling instance that ran the same op there read
+        (innermost level first): `up_proj` reads what `gate_proj` read, past the `act_fn` between them."""
+        for level in range(len(chain) - 1, -1, -1):
+            instance = chain[level]
+            siblings = self.children.get(self.parent.get(instance), [])
+            offset = self.instance_nodes[instance].index(node)
+            for earlier in reversed(siblings[: siblings.index(instance)]):  # the nearest one that ran this op here
+                theirs = self.instance_nodes[earlier]
+                if offset < len(theirs) and self.name[theirs[offset]] == self.name[node]:
+                    read = self.chosen.get(theirs[offset], [])
+                    if which < len(read) and read[which] in ids:
+                        return self.values[read[which]]
+                    break
+        return None
+
+    def add_instance(self, chain: tuple, node: int) -> None:
+        for level, instance in enumerate(chain):
+            if instance not in self.instance_nodes:
+                parent = chain[level - 1] if level else None
+                self.instance_nodes[instance] = []
+                self.parent[instance] = parent
+                self.children.setdefault(parent, []).append(instance)
+            self.instance_nodes[instance].append(node)
+
+    def produce(self, node: int, sigs: list[Sig], chain: tuple, view: bool, elementwise: bool,
+                read: list[_Value | None]) -> None:  # fmt: skip
+        for sig in sigs:
+            binary = elementwise and len(read) >= 2  # a product of two tensors (x·cos), not x + 1
+            derived = tuple(r.id for r in read if r is not None and (r.shape, r.dtype) == sig) if binary else ()
+            value = _Value(len(self.values), node, self.name[node], sig, chain, view, elementwise, derived)
+            if view and read and read[0] is not None:
+                value.source = read[0].id
+            self.values.append(value)
+            self.by_sig.setdefault(sig, []).append(value)
+            self.by_shape.setdefault(sig[0], []).append(value)
+
+
+def node_ops(ops: pd.DataFrame, device_kind: str) -> pd.DataFrame:
+    """The ops that are nodes, in execution order per thread (one rank: the lowest), with `composites` (the
+    looked-through ops around each, outermost first) and `strided` (the size a view's last `as_strided` child
+    took)."""
+    ops = ops[(ops["step"] >= 0) & (ops["phase"] != "")]
+    if "rank" in ops and len(ops):
+        ops = ops[ops["rank"] == ops["rank"].min()]
+    ops = ops.sort_values(["step", "tid", "ts_us", "dur_us"], ascending=[True, True, True, False], kind="stable")
+    ids, parents, names = ops["op_id"].tolist(), ops["parent_op"].tolist(), ops["name"].tolist()
+    concrete = ops["concrete_inputs"].tolist() if "concrete_inputs" in ops else [None] * len(ops)
+    has_children = set(parents)
+    status: dict[int, str] = {}  # op → "node", "inside" (a node's descendant), "composite" or "skip"
+    owner: dict[int, int] = {}  # op inside a node → the node's op
+    around: dict[int, tuple[int, ...]] = {}  # op → the composites around it
+    strided: dict[int, tuple[int, ...]] = {}
+    keep = np.zeros(len(ops), dtype=bool)
+    for i, (op, parent, name) in enumerate(zip(ids, parents, names)):
+        up = status.get(parent)
+        if up in ("node", "inside"):
+            status[op] = "inside"
+            owner[op] = owner.get(parent, parent)
+            if name == "aten::as_strided":
+                size = _size(concrete[i])
+                if size is not None:
+                    strided[owner[op]] = size
+            continue
+        composite, _view = schema_facts(name, device_kind)
+        around[op] = (*around.get(parent, ()), parent) if up == "composite" else around.get(parent, ())
+        if composite:
+            status[op] = "composite" if op in has_children else "skip"
+            continue
+        status[op] = "node"
+        keep[i] = True
+        if name == "aten::as_strided":
+            size = _size(concrete[i])
+            if size is not None:
+                strided[op] = size
+    nodes = ops[keep]
+    return nodes.assign(
+        composites=[around.get(op, ()) for op in nodes["op_id"]],
+        strided=[strided.get(op) for op in nodes["op_id"]],
+    )
+
+
+def _size(concrete: object) -> tuple[int, ...] | None:
+    from fusionscope.roofline import _parse_int_list
+
+    if isinstance(concrete, list | tuple) and len(concrete) > 1:
+        size = _parse_int_list(concrete[1])
+        return tuple(size) if size is not None else None
+    return None
+
+
+def _chains(modules: list[str], composites: list[tuple[int, ...]]) -> list[tuple]:
+    """Each node's scope instances, outermost first: one per module path prefix (a run of consecutive nodes under
+    it is one call), then its composite ops."""
+    chains = []
+    previous: list[tuple[str, int]] = []
+    counter = 0
+    split: dict[str, list[str]] = {}
+    for module, around in zip(modules, composites):
+        prefixes = split.get(module)
+        if prefixes is None:
+            parts = module.split(".") if module else []
+            prefixes = split[module] = [".".join(parts[: j + 1]) for j in range(len(parts))]
+        current = []
+        for j, prefix in enumerate(prefixes):
+            if j < len(previous) and previous[j][0] == prefix and (j == 0 or current[j - 1] == previous[j - 1]):
+                current.append(previous[j])
+            else:
+                counter += 1
+                current.append((prefix, counter))
+        previous = current
+        chains.append((*current, *(("op", c) for c in around)))
+    return chains
+
+
+def infer_dataflow(ops: pd.DataFrame, device_kind: str) -> pd.DataFrame:
+    """The dataflow table (`fusionscope.dataflow.NODE_COLUMNS` plus `op_id`) of a timeline's ops, its edges inferred
+    (module docstring). `.attrs["basis"]` is "op order"."""
+    nodes = node_ops(ops, device_kind)
+    n = len(nodes)
+    cols = {c: nodes[c].tolist() for c in ("op_id", "name", "tid", "step", "phase", "module", "strided")}
+    dims = nodes["input_dims"].tolist() if "input_dims" in nodes else [None] * n
+    types = nodes["input_type"].tolist() if "input_type" in nodes else [None] * n
+    concrete = nodes["concrete_inputs"].tolist() if "concrete_inputs" in nodes else [None] * n
+    chains = _chains([m if isinstance(m, str) else "" for m in cols["module"]], nodes["composites"].tolist())
+    rows = []
+    arguments: dict[tuple, tuple] = {}
+    producer_of: dict[tuple[int, int], int] = {}  # (segment, value id) → node id
+    segment, key = _Segment(), None
+    segments = 0
+    for i in range(n):
+        name = cols["name"][i]
+        if (cols["step"][i], cols["tid"][i]) != key:
+            segment, key, segments = _Segment(), (cols["step"][i], cols["tid"][i]), segments + 1
+        chain = chains[i]
+        segment.add_instance(chain, i)
+        segment.name[i] = name
+        _composite, view = schema_facts(name, device_kind)
+        short = short_name(name)
+        elementwise = short in _ELEMENTWISE or short.removesuffix("_") in _ELEMENTWISE
+        strided = cols["strided"][i] if view else None
+        memo = (name, repr(dims[i]), repr(types[i]), repr(concrete[i]), strided)
+        known_args = arguments.get(memo)
+        if known_args is None:  # layers and steps repeat their ops' arguments: derive each once
+            tensors, _where, others = tensor_inputs(dims[i], types[i], elementwise)
+            listed = [v if isinstance(v, list | tuple) else [] for v in (dims[i], types[i], concrete[i])]
+            made = op_outputs(name, Arguments(listed[0], listed[1], listed[2], "float32"), strided) or []
+            known_args = arguments[memo] = (tensors, others, made)  # without recorded shapes: no arguments
+        tensors, others, made = known_args
+        segment.signature[i] = tuple(tensors)
+        read: list[_Value | None] = []
+        for which, (shape, dtype) in enumerate(tensors):
+            pool = segment.pool(shape, dtype, chain)
+            distinct = [v for v in pool if all(v is not r for r in read)] or pool
+            read.append(segment.pick(i, which, chain, view, distinct))
+        if elementwise:  # operands of one shape and dtype in the order they were made: `residual + h`
+            for sig in {(v.shape, v.dtype) for v in read if v is not None}:
+                slots = [j for j, v in enumerate(read) if v is not None and (v.shape, v.dtype) == sig]
+                for j, v in zip(slots, sorted((read[j] for j in slots), key=lambda v: v.pos)):
+                    read[j] = v
+        segment.chosen[i] = [v.id if v is not None else -1 for v in read]
+        for v in {id(v): v for v in read if v is not None}.values():
+            v.reads += 1
+            v.last_read = i
+            v.max_shared = max(v.max_shared, _common(v.chain, chain))
+            v.seen_by.update(_modules(chain))
+        known = next((v.dtype for v in read if v is not None and v.dtype is not None), None)
+        tensors = [(shape, dtype or (v.dtype if v is not None else None) or known)  # a TensorList member's dtype
+                   for (shape, dtype), v in zip(tensors, read)]  # fmt: skip
+        inplace = short.endswith("_") and bool(tensors)
+        sigs = [(s, d if d is not None else known) for s, d in made]
+        if inplace and read and read[0] is not None:
+            read[0].superseded = True
+        elif elementwise and len(tensors) >= 2 and sigs and all(t == sigs[0] for t in tensors):
+            for v in read:
+                if v is not None:
+                    v.superseded = True
+        first = len(segment.values)
+        segment.produce(i, sigs, chain, view, elementwise, read)
+        for vid in range(first, len(segment.values)):
+            producer_of[(segments, vid)] = i
+        inputs = tuple(producer_of[(segments, v.id)] if v is not None else LEAF for v in read)
+        values = concrete[i] if isinstance(concrete[i], list | tuple) else []
+        scalars = tuple(str(values[j]) for j in others if j < len(values))
+        rows.append((i, cols["step"][i], cols["phase"][i], cols["module"][i] or "", name, inputs,
+                     tuple(s for s, _d in tensors), tuple(d for _s, d in tensors), tuple(s for s, _d in sigs),
+                     tuple(d for _s, d in sigs), scalars, view, inplace, cols["op_id"][i]))  # fmt: skip
+    return dataflow_table(rows, BASIS_ORDER)
+
+
+def dataflow_table(rows: list[tuple], basis: str) -> pd.DataFrame:
+    """The rows as the recorder's table: consumers from the inputs, columns NODE_COLUMNS (less `input_params`:
+    a trace does not say which leaves are parameters, and the matchers then take every leaf for one) + op_id."""
+    consumers: list[list[int]] = [[] for _ in rows]
+    for row in rows:
+        for p in set(row[5]):
+            if p >= 0:
+                consumers[p].append(row[0])
+    columns = [c for c in NODE_COLUMNS if c != "input_params"] + ["op_id"]
+    frame = pd.DataFrame([(*row[:11], tuple(c), *row[11:]) for row, c in zip(rows, consumers)], columns=columns)
+    frame = frame.astype({"node": np.int64, "step": np.int64, "is_view": bool, "inplace": bool, "op_id": np.int64})
+    frame.attrs["basis"] = basis
+    return frame

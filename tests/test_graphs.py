@@ -1,0 +1,110 @@
+"""`apply --graphs` on the CPU: the static-cache decode step every graph variant captures on a GPU, run eagerly here
+(teacher-forced against the eager model with the same patches), the cache-counter trap it avoids, and the
+weight-streaming floor."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import fusionscope
+from fusionscope.apply import graphs, numerics
+from fusionscope.cli import app
+from fusionscope.floor import weight_floor
+from fusionscope.models import build_workload, resolve_model
+
+
+@pytest.fixture(scope="module")
+def tiny() -> tuple[torch.nn.Module, torch.Tensor]:
+    workload = build_workload(resolve_model("tiny-llama"), torch.device("cpu"), torch.float32, prompt_len=8,
+                              decode_steps=4)  # fmt: skip
+    return workload.module, workload.inputs[0]
+
+
+def test_apply_graphs_checks_every_variant_teacher_forced_on_the_cpu(tmp_path) -> None:
+    run = fusionscope.apply("tiny-llama", out=tmp_path / "r", prompt_len=8, decode_steps=3, warmup=0, repeats=1,
+                            graphs=True)  # fmt: skip
+    result = json.loads((tmp_path / "r" / "summary.json").read_text())["apply"]["graphs"]
+    variants = result["variants"]
+    passing = [r["fusion"] for r in run.apply["fusions"] if r["status"] == "passed"]
+    assert list(variants)[:1] == [graphs.GRAPH] and graphs.FUSED_GRAPH in variants
+    assert {f"{f} + graph" for f in passing} <= set(variants)
+    assert variants[graphs.FUSED_GRAPH]["fusions"] == passing
+    for name in (graphs.GRAPH, graphs.FUSED_GRAPH, *(f"{f} + graph" for f in passing)):
+        row = variants[name]
+        assert row["passed"], (name, row["reason"])
+        assert row["numerics"]["max_abs"] < 1e-4 and row["free_running"]["tokens_equal"] == 1.0
+        assert row["ms_per_token"] is None  # no timing on a CPU
+    assert variants[graphs.LIGER]["passed"] is False and variants[graphs.LIGER]["reason"]
+    assert "need a GPU" in result["timing_note"]
+    assert result["floor"]["bytes"] > 0 and run.summary["phases"]["decode"]["weight_floor"]["ms"] > 0
+
+
+def test_the_static_caches_own_write_counter_is_why_a_capture_puts_it_back(tiny) -> None:
+    """transformers' StaticLayer writes where its own counter says, not where `cache_position` does: two warm-up
+    steps leave it two rows ahead, and the next step's K/V land where its mask does not look — logits off. Putting
+    the counters `cache_state` copied back (what `capture` does after its warm-up) makes the step exact again."""
+    model, ids = tiny
+    ref = numerics.reference(model, ids, 4)
+    decoder = graphs.StaticDecoder(model, ids, 4)
+
+    def first_step_error(restore: bool) -> float:
+        decoder.prefill()
+        state, position = graphs.cache_state(decoder.cache), decoder.position.clone()
+        with torch.inference_mode():
+            for _ in range(graphs.WARMUP_CALLS):
+                decoder._body()
+        decoder.position.copy_(position)
+        if restore:
+            graphs.restore_state(decoder.cache, state)
+        decoder.token.copy_(ref.tokens[:, :1])
+        return float((decoder.step() - ref.decode_logits[:, 0]).abs().max())
+
+    assert first_step_error(restore=True) < 1e-4
+    assert first_step_error(restore=False) > 1e-2
+
+
+def test_the_weight_floor_counts_each_weight_once_and_the_kv_cache_read(tiny) -> None:
+    model, _ = tiny
+    config = model.config
+    floor = weight_floor(model, batch=2, kv_len=10, copy_gbps=1000.0)
+    params = {id(p): p for p in model.parameters()}.values()
+    embed = model.get_input_embeddings().weight
+    tied = embed is model.get_output_embeddings().weight
+    expected = sum(p.numel() * 4 for p in params) - (0 if tied else embed.numel() * 4 - 2 * embed.shape[1] * 4)
+    head_dim = config.hidden_size // config.num_attention_heads
+    kv = 2 * config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 10 * 4
+    assert floor["weight_bytes"] == expected and floor["kv_bytes"] == kv
+    assert floor["ms"] == pytest.approx((expected + kv) / 1e9)  # 1000 GB/s = 1e9 bytes per ms
+
+
+def test_graphs_without_decode_steps_is_one_line(tmp_path) -> None:
+    result = CliRunner().invoke(app, ["apply", "--graphs", "--decode-steps", "0", "--out", str(tmp_path / "x")])
+    assert result.exit_code == 2 and "--graphs" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "x").exists()
+
+
+def test_rope_under_a_static_cache_rotates_and_writes_the_cache_in_one_launch(tiny, monkeypatch) -> None:
+    """Under a static cache the rope patch writes the rotated k and v straight into the cache rows
+    (`rope_and_cache`) once the first write allocated them; every step computes what eager computes."""
+    import fusionscope.kernels as kernels
+
+    from fusionscope.apply.patching import patch
+
+    model, ids = tiny
+    ref = numerics.reference(model, ids, 4)
+    calls = []
+    real = kernels.rope_and_cache
+    monkeypatch.setattr(kernels, "rope_and_cache", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with patch(model, ["rope"]) as result:
+        assert result.applied["rope"]
+        forced, own = graphs.teacher_forced(graphs.StaticDecoder(model, ids, 4), ref)
+    layers = model.config.num_hidden_layers
+    # every layer of every decode step of both passes, and of the second prefill: only the first prefill, which
+    # allocates the cache, goes through StaticLayer.update
+    assert len(calls) == (2 * 4 + 1) * layers
+    fig = numerics.compare(forced, graphs.last_position(ref))
+    assert fig["max_abs"] < 1e-4 and torch.equal(own, ref.tokens)
