@@ -372,6 +372,13 @@ def apply(
     graphs: Annotated[
         bool, typer.Option("--graphs", help="also the decode step in a CUDA graph, beside torch.compile and Liger")
     ] = False,
+    quantize: Annotated[
+        str | None,
+        typer.Option(
+            help="first quantise the Linears (not the embedding or LM head) to int4: w4 (group 128), "
+            "w4:<group> or w4:channel; dequant_gemm is then measured like any fusion"
+        ),
+    ] = None,
 ) -> None:
     """Patch the fusions found into MODEL, check the numerics, measure before and after, predicted vs measured."""
     from fusionscope.apply.run import apply as run_apply
@@ -380,8 +387,15 @@ def apply(
     run = run_with_progress("applying", run_apply, model=model, fusions=fusions, from_run=from_run, repeats=repeats,
                             out=out_dir, batch=batch, prompt_len=prompt_len, decode_steps=decode_steps, dtype=dtype,
                             device=device, warmup=warmup, remeasure=remeasure, sample=sample,
-                            temperature=temperature, top_k=top_k, top_p=top_p, graphs=graphs)  # fmt: skip
+                            temperature=temperature, top_k=top_k, top_p=top_p, graphs=graphs,
+                            quantize=quantize)  # fmt: skip
     print_summary(run.summary)
+    if quantization := run.summary["apply"].get("quantization"):
+        from fusionscope.report.formatting import NUMERICS_CELLS, fmt_figure
+
+        figures = ", ".join(f"{k} {fmt_figure(quantization['numerics'].get(k), spec)}" for k, spec in NUMERICS_CELLS)
+        out.print(f"quantisation {quantization['spec']} of {len(run.summary['quantize']['swapped'])} Linears, against "
+                  f"{quantization['against']}: {figures}")  # fmt: skip
     print_apply(run.summary["apply"])
     if run.summary["apply"].get("graphs"):
         print_graphs(run.summary["apply"]["graphs"])

@@ -20,7 +20,10 @@ def weight_floor(model: nn.Module, batch: int, kv_len: float, copy_gbps: float) 
     tied = embed is not None and head is not None and embed.weight is head.weight
     seen: set[int] = set()
     weights = 0
-    for p in model.parameters():
+    # packed weights (a quantised Linear's qweight, scales, zeros) are persistent buffers, read every step as well
+    persistent = [b for m in model.modules() for n, b in m.named_buffers(recurse=False)
+                  if n not in m._non_persistent_buffers_set]  # fmt: skip
+    for p in [*model.parameters(), *persistent]:
         if id(p) in seen:
             continue
         seen.add(id(p))

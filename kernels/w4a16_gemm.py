@@ -51,7 +51,8 @@ the unfused chain writes; fused and unfused differ only in the order of the fp32
   call of a shape), and a second launch adds them in a fixed order (deterministic), adds the bias and rounds once.
 - prefill (M > 16): 64- or 128-row tiles on the tensor cores, the dequantised plane going straight into `tl.dot` inside
   the K loop, grouped tile order for L2 reuse of the weight.
-The tile sizes are first choices, not measurements: `reports/w4a16/gpu_w4a16.py tune` times alternatives on the GPU.
+The tile sizes are the fastest of `reports/w4a16/gpu_w4a16.py tune` on an H200 (reports/w4a16/README.md), for decode
+and for M = 4096; the 17–256-row tiles have not been measured.
 """
 
 from __future__ import annotations
@@ -385,14 +386,18 @@ def _split_sum_kernel(
 
 # Tiles by the number of rows M: (largest M, config); the first entry whose bound M does not exceed applies. BLOCK_K is
 # a multiple of 128 (one block of `qweight`). SPLIT_K: 0 picks the split by `FILL`, n ≥ 1 forces n (capped by the
-# blocks of K). None of these were measured before shipping: `reports/w4a16/gpu_w4a16.py` times them and their
-# alternatives on the H200.
+# blocks of K). decode and large: the fastest configurations of `reports/w4a16/gpu_w4a16.py tune` on an H200
+# (2026-12-01, group 128, bf16, CUDA-graph replay medians; reports/w4a16/h200-2216/w4a16_tune.log), against the first
+# choices BLOCK_K 256 (decode) and BLOCK_N 128 (large): decode BLOCK_K 128 at M = 1 / 16 took 11.80 / 12.11 µs at
+# 4096 → 4096 (12.19 / 13.20 before), 33.86 / 35.27 at 4096 → 14336 (33.95 / 35.98), 30.25 / 31.46 at 14336 → 4096
+# (30.69 / 32.48); large BLOCK_N 256 at M = 4096 took 492 / 1798 / 1849 µs (636 / 2191 / 2076). That 128 × 256 tile
+# needs Hopper-class shared memory (it compiled within the H200's 227 KiB); small is still a first choice.
 TILES = Tunables(
-    decode=(16, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 0, "GROUP_M": 1, "num_warps": 4,
+    decode=(16, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 0, "GROUP_M": 1, "num_warps": 4,
                  "num_stages": 3}),
     small=(256, {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1, "GROUP_M": 8, "num_warps": 4,
                  "num_stages": 3}),
-    large=(None, {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1, "GROUP_M": 8, "num_warps": 8,
+    large=(None, {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "SPLIT_K": 1, "GROUP_M": 8, "num_warps": 8,
                   "num_stages": 3}),
 )  # fmt: skip
 # SPLIT_K = 0: the smallest power-of-two split giving at least programs_per_sm programs per SM, at most max_split.

@@ -99,14 +99,16 @@ def test_unknown_fusion_is_one_line_and_writes_nothing(tmp_path) -> None:
     assert not (tmp_path / "x").exists()
 
 
-def test_fusion_without_a_kernel_is_skipped_with_reason(tmp_path) -> None:
+def test_fusion_not_found_or_not_patchable_is_skipped_with_reason(tmp_path) -> None:
+    """A float model has no dequantise + GEMM chain: dequant_gemm asked for is skipped as not found; and a plain
+    Linear handed to its patcher is refused with the reason (the kernel serves PlainW4Linear's layout only)."""
     run = fusionscope.apply("tiny-llama", out=tmp_path / "d", fusions="dequant_gemm,rms_norm", **WORKLOAD)
     rows = {row["fusion"]: row for row in run.apply["fusions"]}
     assert rows["dequant_gemm"]["status"] == "skipped" and "no match" in rows["dequant_gemm"]["reason"]
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     with fusionscope.patch(model, [{"fusion": "dequant_gemm", "module_paths": ["0"]}]) as p:
         assert not p.applied
-        assert "kernel" in p.skipped["dequant_gemm"]
+        assert p.skipped_paths["dequant_gemm"]["0"].startswith("Linear is not a PlainW4Linear")
 
 
 def test_nothing_to_apply_is_a_usage_error(tmp_path) -> None:

@@ -5,16 +5,20 @@ quantisation's own error against the bf16 model is measured apart from the fusio
 
 from __future__ import annotations
 
+import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+from typer.testing import CliRunner
 
 import fusionscope
 from fusionscope import dataflow
 from fusionscope.apply.numerics import compare, fp32_copy, judge, reference, text_ids
-from fusionscope.apply.quantize import PlainW4Linear, parse_quantize, quantize_model
+from fusionscope.apply.quantize import PlainW4Linear, parse_quantize, quantize_model, quantize_workload
+from fusionscope.cli import app
 from fusionscope.errors import UsageError
 from fusionscope.fusions import Graph, dequant_gemm, find_matches
 from fusionscope.models import build_workload, resolve_model
@@ -68,6 +72,83 @@ def test_parse_quantize(text: str, group: int) -> None:
 def test_parse_quantize_refuses_in_one_line(text: str) -> None:
     with pytest.raises(UsageError, match="--quantize"):
         parse_quantize(text)
+
+
+# ---------------------------------------------------------------- apply --quantize, end to end on the CPU
+
+QUANTISED_RUN = ["--dtype", "bf16", "--prompt-len", "8", "--decode-steps", "2", "--warmup", "0", "--repeats", "1"]
+
+
+@pytest.fixture(scope="module")
+def quantised_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str]:
+    """`fusionscope apply tiny-llama --quantize w4:32 --graphs` in bf16: (run folder, summary.json, output)."""
+    out = tmp_path_factory.mktemp("w4") / "run"
+    result = CliRunner().invoke(app, ["apply", "tiny-llama", "--quantize", "w4:32", "--graphs", *QUANTISED_RUN,
+                                      "--out", str(out)])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    return out, json.loads((out / "summary.json").read_text()), result.output
+
+
+def test_apply_quantize_finds_dequant_gemm_and_passes_it(quantised_run) -> None:
+    """Quantised before profiling: the finder matches the unfused chain at all 14 projections of the 2 layers (not
+    the LM head), the patch reaches each, and the fused model is within tolerance of the unfused quantised one."""
+    _out, summary, _output = quantised_run
+    quantize = summary["quantize"]
+    assert quantize["group_size"] == 32 and len(quantize["swapped"]) == 14 and list(quantize["skipped"]) == ["lm_head"]
+    found = [o for o in summary["opportunities"] if o["fusion"] == "dequant_gemm"]
+    assert {o["phase"] for o in found} == {"prefill", "decode"}
+    assert all(o["count"] == 14 for o in found)
+    rows = {row["fusion"]: row for row in summary["apply"]["fusions"]}
+    assert rows["dequant_gemm"]["status"] == "passed", rows["dequant_gemm"]["reason"]
+    assert rows["dequant_gemm"]["sites_patched"] == rows["dequant_gemm"]["sites_found"] == 14
+    assert sorted(rows["dequant_gemm"]["applied"]) == sorted(quantize["swapped"])
+
+
+def test_apply_quantize_reports_the_quantisations_own_error_against_the_float_model(quantised_run) -> None:
+    """`apply.quantization` is the unpatched quantised model against the bf16 model taken before quantising, on the
+    run's own ids and decode steps: the same figures `quantize_workload` gives on a workload built alike, non-zero,
+    and apart from the fusion's error (against the unfused quantised model), which is far smaller."""
+    _out, summary, output = quantised_run
+    quantization = summary["apply"]["quantization"]
+    assert (quantization["spec"], quantization["group_size"]) == ("w4:32", 32)
+    assert "bfloat16" in quantization["against"]
+    figures = quantization["numerics"]
+    assert figures["positions"] > 0 and figures["decode_compared"] > 0
+    assert figures["max_abs"] > 0 and 0 < figures["kl_mean"] < 1 and 0 <= figures["top1"] <= 1
+    _report, again = quantize_workload(tiny_llama(prompt_len=8, decode_steps=2), 32)
+    for key in ("max_abs", "kl_mean", "top1", "top5", "positions"):
+        assert figures[key] == pytest.approx(again[key], rel=1e-9), key
+    fusion = next(r for r in summary["apply"]["fusions"] if r["fusion"] == "dequant_gemm")["numerics"]
+    assert fusion["kl_mean"] <= figures["kl_mean"] / 10 and fusion["max_abs"] < figures["max_abs"]
+    assert "quantisation w4:32 of 14 Linears" in output and f"{figures['max_abs']:.3g}" in output
+
+
+def test_apply_quantize_with_graphs_takes_the_fused_kernel_into_the_graph(quantised_run) -> None:
+    _out, summary, _output = quantised_run
+    variants = summary["apply"]["graphs"]["variants"]
+    assert variants["dequant_gemm + graph"]["passed"], variants["dequant_gemm + graph"]["reason"]
+    assert "dequant_gemm" in variants["fused + graph"]["fusions"] and variants["fused + graph"]["passed"]
+
+
+def test_apply_from_a_run_quantised_otherwise_is_refused(quantised_run, tmp_path) -> None:
+    out, _summary, _output = quantised_run
+    for extra, said in (
+        ([], "this one is without --quantize"),
+        (["--quantize", "w4"], "this one is with --quantize w4:128"),
+    ):
+        result = CliRunner().invoke(app, ["apply", "--from", str(out), *QUANTISED_RUN, *extra, "--out",
+                                          str(tmp_path / "f")])  # fmt: skip
+        assert result.exit_code == 2, result.output
+        assert "made with --quantize w4:32" in result.output and said in result.output
+        assert not (tmp_path / "f").exists()
+
+
+@pytest.mark.parametrize("spec", ["w4:48", "w8", "int4:128"])
+def test_apply_with_a_bad_quantize_spec_is_one_line_and_writes_nothing(spec: str, tmp_path) -> None:
+    result = CliRunner().invoke(app, ["apply", "--quantize", spec, *QUANTISED_RUN, "--out", str(tmp_path / "x")])
+    assert result.exit_code == 2
+    assert result.output.count("\n") == 1 and "--quantize" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "x").exists() and not list(tmp_path.iterdir())
 
 
 def test_the_finder_matches_dequant_gemm_on_every_plain_w4_linear() -> None:

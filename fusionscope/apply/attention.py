@@ -226,7 +226,7 @@ def rope_support(module: nn.Module | None, patcher: Patcher | None = None) -> At
     missing = [p for p in (*parts, "head_dim", "layer_idx", "config") if not hasattr(module, p)]
     if missing:
         return f"this {type(module).__name__} has no {', '.join(missing)}"
-    dtype = getattr(getattr(module.q_proj, "weight", None), "dtype", None)
+    dtype = getattr(getattr(module.q_proj, "weight", getattr(module.q_proj, "scales", None)), "dtype", None)
     if dtype not in KERNEL_DTYPES:
         return f"the rope kernel takes fp32, fp16 or bf16 activations; the projections are {dtype}"
     modeling = modeling_module(module)

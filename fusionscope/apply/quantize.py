@@ -122,3 +122,25 @@ def _why_not(linear: nn.Linear, head: nn.Module | None, include_lm_head: bool) -
     if linear.weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"its weight is {linear.weight.dtype}; quantize_w4 takes fp32, fp16 and bf16 weights"
     return ""
+
+
+def quantize_workload(workload: Any, group_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Quantise `workload.module` in place (`quantize_model`: its Linears, not the embedding or the LM head) and
+    measure what the quantisation alone costs: the float model's logits are taken first, then the quantised model's
+    (unpatched: the plain dequantise + GEMM chain) on the same ids and decode steps, greedy, by `numerics.reference`
+    (`forward_reference` for a model of one forward). That error belongs to round-to-nearest int4 on these weights,
+    not to any kernel; a fusion's error is judged apart, against this quantised model.
+
+    Returns (quantize_model's report, `numerics.compare(quantised, float)`)."""
+    from fusionscope.apply import numerics
+
+    def reference(model: nn.Module) -> numerics.Reference:
+        if workload.phases == ("forward",):
+            return numerics.forward_reference(model, workload.inputs)
+        return numerics.reference(model, workload.inputs[0], workload.decode_steps)
+
+    before = reference(workload.module)
+    report = quantize_model(workload.module, group_size)
+    if workload.device.type == "cuda":
+        torch.cuda.empty_cache()  # the float weights just replaced
+    return report, numerics.compare(reference(workload.module), before)

@@ -82,11 +82,17 @@ def apply(
     top_k: int = 50,
     top_p: float = 0.9,
     graphs: bool = False,
+    quantize: str | None = None,
     on_stage: Callable[[str], None] | None = None,
 ) -> ApplyRun:
     """Profile MODEL (or take `from_run`'s predictions), patch the fusions found (`fusions`: "all", "a,b" or a list),
     check numerics, measure `repeats` interleaved rounds (`graphs`: also the decode step in a CUDA graph, beside
-    torch.compile, Liger and the weight-streaming floor), and write the run folder. Returns an `ApplyRun`."""
+    torch.compile, Liger and the weight-streaming floor), and write the run folder. Returns an `ApplyRun`.
+
+    `quantize` ("w4", "w4:<group>", "w4:channel") first quantises the model's Linears to int4 (not the embedding or
+    the LM head): before profiling, so the finder sees the unfused dequantise + GEMM chain and `dequant_gemm` is
+    measured against it like any fusion. `summary["quantize"]` holds what was swapped; the quantisation's own error
+    against the float model is `summary["apply"]["quantization"]`, apart from each fusion's."""
     settings = Settings(
         model, batch, prompt_len, decode_steps, dtype, device, warmup, remeasure, sample, temperature, top_k, top_p
     )
@@ -101,16 +107,40 @@ def apply(
     out_dir, spec, dev, torch_dtype = prepare(settings, out)
     if dev.type == "cpu":
         use_interpreter()
+    group = None
+    if quantize is not None:
+        from fusionscope.apply.quantize import parse_quantize  # imports the kernels: after the interpreter is chosen
+
+        group = parse_quantize(quantize)
     if earlier is not None:
         check_same_workload(earlier.summary, spec.name, settings, str(torch_dtype).removeprefix("torch."), dev.type,
                             device_name(dev))  # fmt: skip
+        earlier_group = (earlier.summary.get("quantize") or {}).get("group_size")
+        if earlier_group != group:
+
+            def made(g: int | None) -> str:
+                return "without --quantize" if g is None else f"with --quantize w4:{'channel' if g == -1 else g}"
+
+            raise UsageError(f"--from run was made {made(earlier_group)}, this one is {made(group)}")
+    quantized: dict[str, Any] = {}
+
+    def build(*args: Any, **kwargs: Any) -> Any:
+        """`models.build_workload`, then (with `quantize`) the Linears quantised and the quantisation's error taken."""
+        from fusionscope import models
+
+        workload = models.build_workload(*args, **kwargs)
+        if group is not None:
+            from fusionscope.apply.quantize import quantize_workload
+
+            note(f"quantising the Linears to int4 ({quantize}) and measuring the quantisation's own error")
+            quantized["report"], quantized["numerics"] = quantize_workload(workload, group)
+        return workload
+
     with staged_dir(out_dir) as tmp:
         if earlier is None:
-            profiled = profile_stages(settings, spec, dev, torch_dtype, tmp, note, keep_workload=True)
+            profiled = profile_stages(settings, spec, dev, torch_dtype, tmp, note, keep_workload=True, build=build)
             summary, kernels, workload = profiled.summary, profiled.kernels, profiled.workload
         else:
-            from fusionscope import models
-
             note(f"taking the predictions of {earlier.out_dir}")
             for name in ("trace.json.gz", "kernels.csv", "ops.csv", "opportunities.csv"):
                 if (earlier.out_dir / name).is_file():
@@ -118,7 +148,7 @@ def apply(
             summary, kernels = dict(earlier.summary), earlier.kernels
             summary["predictions_from"] = str(earlier.out_dir)
             note(f"building {spec.name} on {dev.type} in {str(torch_dtype).removeprefix('torch.')}")
-            workload = models.build_workload(
+            workload = build(
                 spec,
                 dev,
                 torch_dtype,
@@ -129,7 +159,16 @@ def apply(
             )
         if graphs and workload.phases != ("prefill", "decode"):
             raise UsageError(f"--graphs needs a generation model with a decode phase; {spec.name} has none")
+        if quantized:
+            summary["quantize"] = quantized["report"]
         summary["apply"] = run_apply(workload, summary, wanted, repeats, tmp, note, graphs)
+        if quantized:
+            summary["apply"]["quantization"] = {
+                "spec": quantize.strip(),
+                "group_size": group,
+                "against": f"the {str(torch_dtype).removeprefix('torch.')} model before quantisation",
+                "numerics": json_safe(quantized["numerics"]),
+            }
         outcomes = pd.DataFrame(summary["apply"]["rows"])
         outcomes.to_csv(tmp / "apply.csv", index=False, float_format="%.6g")
         from fusionscope.run import command_line

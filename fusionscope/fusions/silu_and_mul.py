@@ -129,7 +129,7 @@ def glu_support(patcher: Patcher, path: str, fusion: str) -> tuple[str, str] | s
     if kind[0] != fusion:
         return f"its activation {type(act).__name__} is {kind[0]}'s, not {fusion}'s"
     first = mlp.gate_up_proj if layout == "phi3" else mlp.gate_proj
-    dtype = getattr(getattr(first, "weight", None), "dtype", None)
+    dtype = getattr(getattr(first, "weight", getattr(first, "scales", None)), "dtype", None)  # a W4 Linear: scales
     if dtype not in KERNEL_DTYPES:
         return f"the {fusion} kernel takes fp32, fp16 or bf16 activations; the gate projection is {dtype}"
     return layout, kind[1]

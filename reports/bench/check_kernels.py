@@ -2,7 +2,8 @@
 
 For each kernel, on one decode and one prefill shape of its bench cases (bf16):
 - launches per call: kernels the profiler sees for one eager call (expected: 1; `sample`: its seed draw plus one
-  launch for top_k = 1, two for the candidates path);
+  launch for top_k = 1, two for the candidates path; `w4a16_gemm`: two where a decode shape splits K, the partial sums
+  and their fixed-order sum);
 - no hidden copy: no memcpy and no copy/cast kernel besides ours for contiguous inputs;
 - no memset of ours: device memsets (a driver operation, not a kernel launch) are allowed only where cuBLAS issues
   them for its own workspace, i.e. no more of them than the case's unfused eager call (whose GEMM is cuBLAS's too)
@@ -31,6 +32,9 @@ from fusionscope.bench.cases import CASES
 # `torch.randint`, so that CUDA-graph replays draw fresh numbers), then runs the one-launch kernel (top_k = 1: argmax)
 # or the two-launch path (1 < top_k <= 64).
 SAMPLE_FORMS = {"": (1, 1.0, 2), " top-k 50 top-p 0.9": (50, 0.9, 3)}
+# kernels that may launch more than once per call: w4a16_gemm's split-K decode schedule writes fp32 partial sums, then
+# a second launch adds them in a fixed order (`kernels/w4a16_gemm.py`, `schedule`)
+MAX_LAUNCHES = {"w4a16_gemm": 2}
 OP_NAMES = {"qkv": None, "linear_act": "linear_act"}  # qkv is one cuBLAS GEMM: no custom op to find
 # launchers that only compute launch parameters and launch: a repeated call must replay. (linear_act's cuBLASLt
 # path and sample's two-launch path allocate or call torch ops, so they run their launcher on every call.)
@@ -84,7 +88,7 @@ def make_call(name: str, case, form: str, inputs: dict):
     """The call to check and the most launches it may make: our variant of the case (sample in a deterministic form,
     so that compiled, replayed and eager results can be equal)."""
     if name != "sample":
-        return (lambda f=case.variants["fusionscope"], i=inputs: f(i)), 1
+        return (lambda f=case.variants["fusionscope"], i=inputs: f(i)), MAX_LAUNCHES.get(name, 1)
     from fusionscope.kernels.sample import sample
 
     k, p, max_launches = SAMPLE_FORMS[form]

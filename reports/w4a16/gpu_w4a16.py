@@ -54,10 +54,10 @@ BF16_ATOL, BF16_RTOL = 1.6e-2, 1.6e-2  # kernels/tolerances.py, bfloat16
 DEVICE = "cuda"
 
 DECODE_CONFIGS = [  # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, programs_per_sm); first: as shipped
-    (64, 256, 0, 4, 3, 2),
+    (64, 128, 0, 4, 3, 2),
     (32, 256, 0, 4, 3, 2),
     (128, 256, 0, 4, 3, 2),
-    (64, 128, 0, 4, 3, 2),
+    (64, 256, 0, 4, 3, 2),
     (64, 512, 0, 4, 3, 2),
     (64, 256, 0, 8, 3, 2),
     (64, 256, 0, 4, 4, 2),
@@ -68,8 +68,8 @@ DECODE_CONFIGS = [  # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, program
     (128, 512, 0, 8, 3, 4),
 ]
 PREFILL_CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); first: as shipped
-    (128, 128, 128, 8, 3),
     (128, 256, 128, 8, 3),
+    (128, 128, 128, 8, 3),
     (128, 128, 256, 8, 3),
     (64, 128, 128, 4, 4),
 ]
