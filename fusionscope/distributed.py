@@ -294,13 +294,7 @@ def build_module(spec: Any, device: Any, dtype: Any, mesh: Any, world: int) -> t
         with params_on_meta():
             model = AutoModelForCausalLM.from_config(models._hf_config(spec), dtype=dtype)
     else:
-        kwargs: dict[str, Any] = {"dtype": dtype}
-        if spec.weights != "safetensors":
-            kwargs["gguf_file"] = spec.weights
-        try:
-            model = AutoModelForCausalLM.from_pretrained(str(spec.path), **kwargs)
-        except (OSError, ValueError) as exc:
-            raise UsageError(f"cannot load weights from {spec.path}: {str(exc).splitlines()[0]}") from None
+        model = models.load_weights(spec, dtype)
     params = global_param_count(model)  # before sharding, while tied weights are still one parameter
     applied = apply_plan(model, mesh) if mesh is not None else {}
     sharing = world if device.type == "cpu" else 1  # ranks on one CPU share its memory; a GPU rank has its own

@@ -327,13 +327,7 @@ def build_workload(
         with torch.device(device):
             module = AutoModelForCausalLM.from_config(config, dtype=dtype)
     else:
-        kwargs: dict[str, Any] = {"dtype": dtype}
-        if spec.weights != "safetensors":
-            kwargs["gguf_file"] = spec.weights
-        try:
-            module = AutoModelForCausalLM.from_pretrained(str(spec.path), **kwargs)
-        except (OSError, ValueError) as exc:
-            raise UsageError(f"cannot load weights from {spec.path}: {str(exc).splitlines()[0]}") from None
+        module = load_weights(spec, dtype)
         params = sum(p.numel() for p in module.parameters())
         module = module.to(device)
     module.eval()
@@ -411,3 +405,17 @@ def _move(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
     if isinstance(value, (tuple, list)):
         return type(value)(_move(v, device, dtype) for v in value)
     return value
+
+
+def load_weights(spec: ModelSpec, dtype: torch.dtype) -> torch.nn.Module:
+    """A local folder's model with its real weights (safetensors, or the `.gguf` file the spec names), on the CPU;
+    a folder transformers cannot load is one UsageError line."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if spec.weights != "safetensors":
+        kwargs["gguf_file"] = spec.weights
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(spec.path), **kwargs)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot load weights from {spec.path}: {str(exc).splitlines()[0]}") from None
