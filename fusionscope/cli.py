@@ -325,6 +325,9 @@ def print_summary(summary: dict) -> None:
         "estimates use",
         style="dim",
     )
+    for name, ph in summary.get("phases", {}).items():
+        if line := floor_line(name, ph):
+            out.print(line)
     if summary.get("opportunities"):
         opp_table = Table(title="fusion opportunities (per step; speedups end to end for the phase)")
         columns = ("fusion", "phase", "count", "µs now", "µs fused", "micro now→fused", "launches", "GPU ×", "wall ×",
@@ -372,6 +375,12 @@ def apply(
     graphs: Annotated[
         bool, typer.Option("--graphs", help="also the decode step in a CUDA graph, beside torch.compile and Liger")
     ] = False,
+    graphs_only: Annotated[
+        bool,
+        typer.Option(
+            "--graphs-only", help="with --graphs: time the eager model unpatched and all together only, not each fusion"
+        ),
+    ] = False,
     quantize: Annotated[
         str | None,
         typer.Option(
@@ -388,7 +397,7 @@ def apply(
                             out=out_dir, batch=batch, prompt_len=prompt_len, decode_steps=decode_steps, dtype=dtype,
                             device=device, warmup=warmup, remeasure=remeasure, sample=sample,
                             temperature=temperature, top_k=top_k, top_p=top_p, graphs=graphs,
-                            quantize=quantize)  # fmt: skip
+                            graphs_only=graphs_only, quantize=quantize)  # fmt: skip
     print_summary(run.summary)
     if quantization := run.summary["apply"].get("quantization"):
         from fusionscope.report.formatting import NUMERICS_CELLS, fmt_figure
@@ -562,36 +571,91 @@ def print_apply(result: dict) -> None:
     )
 
 
+def floor_line(name: str, phase: dict) -> str:
+    """A decode phase's weight-streaming floor beside its unprofiled step: how far eager decode is from the least a
+    step can take on this device ('' for other phases, or without a measured copy bandwidth)."""
+    floor = phase.get("weight_floor") or {}
+    if not floor.get("ms"):
+        return ""
+    step = phase.get("wall_ms_per_step_unprofiled") or phase.get("wall_ms_per_step")
+    times = f"; eager runs at {step:.2f} ms/step, {step / floor['ms']:.2f}× the floor" if step else ""
+    return (f"{name}: weight-streaming floor {floor['ms']:.2f} ms/step ({floor['bytes'] / 1e9:.2f} GB of weights and "
+            f"KV cache at {floor['copy_gbps']:.0f} GB/s){times}")  # fmt: skip
+
+
 def print_graphs(result: dict) -> None:
-    """The `--graphs` table: each variant's decode ms/token, tokens/s, × the weight-streaming floor, × eager, first
-    call, peak memory and its teacher-forced check; then the predicted vs measured gain of fusing under a graph."""
+    """The `--graphs` table: each variant's decode ms/token, tokens/s, GPU time and kernels of one profiled replay,
+    × the weight-streaming floor, × eager, the step model's prediction, first call, peak memory and its
+    teacher-forced check; the predicted vs measured gains; then where the fused step's time goes, kernel by kernel."""
 
     def fmt(value: object, spec: str) -> str:
         return "—" if value is None or value != value else format(value, spec)
+
+    def pct(value: float | None) -> str:
+        return "—" if value is None else f"{100 * value:+.0f}%"
 
     floor = result.get("floor") or {}
     table = Table(title=f"decode step in a CUDA graph (weight-streaming floor {fmt(floor.get('ms'), '.2f')} ms/token: "
                         f"{fmt((floor.get('bytes') or 0) / 1e9, '.2f')} GB at {fmt(floor.get('copy_gbps'), '.0f')} "
                         "GB/s)")  # fmt: skip
-    for col in ("variant", "ms/token", "tokens/s", "× floor", "× eager", "first call s", "peak MiB", "check"):
+    cols = ("variant", "ms/token", "tokens/s", "GPU ms", "kernels", "gap µs", "× floor", "× eager", "predicted ms",
+            "err", "first call s", "peak MiB", "check")  # fmt: skip
+    for col in cols:
         table.add_column(col, justify="left" if col in ("variant", "check") else "right",
                          overflow="fold" if col == "check" else "ellipsis")  # fmt: skip
-    table.add_row("eager (unpatched)", fmt(result.get("eager_ms_per_token"), ".2f"), "", "", "1.000", "", "", "")
+    table.add_row("eager (unpatched)", fmt(result.get("eager_ms_per_token"), ".2f"), *[""] * 5, "1.000",
+                  *[""] * 5)  # fmt: skip
     for name, row in result.get("variants", {}).items():
+        replayed = row.get("replay") or {}
         table.add_row(name, fmt(row.get("ms_per_token"), ".2f"), fmt(row.get("tokens_per_s"), ".0f"),
+                      fmt(row.get("gpu_ms_per_step"), ".2f"), fmt(row.get("kernels_per_step"), ".0f"),
+                      fmt(replayed.get("gap_us_per_kernel"), ".2f"),
                       fmt(row.get("x_floor"), ".2f"), fmt(row.get("speedup_vs_eager"), ".3f"),
+                      fmt(row.get("predicted_ms"), ".2f"), pct(row.get("error_vs_predicted")),
                       fmt(row.get("first_call_s"), ".1f"), fmt(row.get("peak_mib"), ".0f"),
                       ("passed: " if row.get("passed") else "not timed: ") + (row.get("reason") or ""))  # fmt: skip
     out.print(table)
     pred = result.get("predicted") or {}
-    error = result.get("error_fused_vs_graph")
+    share = fmt(pred.get("cuda_graph_share_unfused"), ".0%")
+    out.print(f"graph alone vs eager: measured {fmt(result.get('graph_vs_eager'), '.3f')}×, predicted "
+              f"{fmt(pred.get('graph_vs_eager'), '.3f')}× (cuda_graph_share {share} of the eager step), error "
+              f"{pct(result.get('error_graph_vs_eager'))}")  # fmt: skip
     out.print(f"fused + graph vs graph alone: measured {fmt(result.get('fused_vs_graph'), '.3f')}×, predicted "
-              f"{fmt(pred.get('fused_graph_vs_graph'), '.3f')}× (the fused GPU time), error "
-              f"{fmt(None if error is None else 100 * error, '+.0f')}%; "
+              f"{fmt(pred.get('fused_graph_vs_graph'), '.3f')}×, error {pct(result.get('error_fused_vs_graph'))}; "
               f"fused + graph vs torch.compile {fmt(result.get('fused_vs_compile'), '.3f')}× "
               f"(compile {fmt(result.get('compile_seconds'), '.0f')} s)")  # fmt: skip
+    out.print("predicted ms: the profiled GPU time per step (less the fusions' saving) + kernels × "
+              f"{fmt(pred.get('graph_gap_us'), '.2f')} µs, the device's idle time between two kernels of a "
+              "replayed graph; err: measured ÷ predicted − 1; GPU ms, kernels, gap µs: one profiled replay",
+              style="dim")  # fmt: skip
+    for name in ("fused + graph", "graph"):
+        down = ((result.get("variants", {}).get(name) or {}).get("replay") or {}).get("breakdown")
+        if down and down.get("rows"):
+            print_breakdown(name, down)
+            break
     if result.get("timing_note"):
         out.print(result["timing_note"], style="dim")
+
+
+def print_breakdown(name: str, down: dict, top: int = 15) -> None:
+    """Where one replayed step's kernel time goes: per launching op and kernel, µs per step, share, achieved rate and
+    its share of the roof."""
+
+    def fmt(value: object, spec: str) -> str:
+        return "—" if value is None or value != value else format(value, spec)
+
+    costed = fmt(down.get("matched_share"), ".0%")
+    table = Table(title=f"{name}: one replayed step, kernel by kernel ({fmt(down.get('total_us'), '.0f')} µs of "
+                        f"kernels; {costed} costed from the same step run eagerly)")  # fmt: skip
+    for col in ("launching op", "kernel", "module", "×", "µs", "share", "GB/s", "% copy", "TFLOP/s", "% peak", "class"):
+        table.add_column(col, justify="left" if col in ("launching op", "kernel", "module", "class") else "right",
+                         overflow="ellipsis", max_width=48 if col == "kernel" else None)  # fmt: skip
+    for row in down["rows"][:top]:
+        table.add_row(row["op"], row["kernel"], row.get("module") or "", str(row["count"]), fmt(row["us"], ".0f"),
+                      fmt(row["share"], ".1%"), fmt(row["achieved_gbps"], ".0f"), fmt(row["frac_bandwidth"], ".0%"),
+                      fmt(row["achieved_tflops"], ".1f"), fmt(row["frac_compute"], ".0%"),
+                      row.get("bound") or "")  # fmt: skip
+    out.print(table)
 
 
 def launch_cost(figures: dict) -> str:

@@ -14,6 +14,7 @@ import os
 import platform
 import re
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -35,7 +36,7 @@ DATASHEETS: dict[str, dict] = {
         "tflops": {"bfloat16": 312.0, "float16": 312.0, "tf32": 156.0, "float32": 19.5},
     },
 }
-ROOFS_VERSION = 2  # bump when the measurement method changes, so old cache entries are not reused
+ROOFS_VERSION = 3  # bump when the measurement method changes, so old cache entries are not reused
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class DeviceCeilings:
     launch_us: float | None  # host cost of one empty Triton kernel launch (CUDA only)
     aten_op_host_us: float  # host cost of a one-kernel aten op (torch.add on 1 element)
     fused_call_us: float | None = None  # host cost of one bundled-kernel call with its output allocated (CUDA only)
+    graph_gap_us: float | None = None  # GPU idle time between two kernels of a replayed CUDA graph (CUDA only)
     datasheet: dict | None = None
     measured_at: str = ""
     versions: dict[str, str] = field(default_factory=dict)
@@ -144,6 +146,7 @@ def measure_ceilings(device: torch.device, versions: dict[str, str] | None = Non
             launch_us=_triton_launch_us(),
             aten_op_host_us=_aten_op_us(device),
             fused_call_us=_fused_call_us(device),
+            graph_gap_us=_graph_gap_us(),
             datasheet=DATASHEETS.get(name),
             measured_at=now,
             versions=versions,
@@ -266,3 +269,28 @@ def _fused_call_us(device: torch.device) -> float | None:
     x = torch.randn(1, 1, 4096, device=device, dtype=torch.bfloat16)
     weight = torch.ones(4096, device=device, dtype=torch.bfloat16)
     return _host_us(lambda: rms_norm(x, weight, 1e-6), 2000, torch.cuda.synchronize)
+
+
+def _graph_gap_us(kernels: int = 256) -> float | None:
+    """GPU idle µs between two consecutive kernels of a replayed CUDA graph: `kernels` one-element adds captured back
+    to back, one replay profiled, (span − busy) ÷ gaps. A graph takes the host out of a step but not this: a decode
+    step of ~500 kernels pays it ~500 times, so the step model adds it per kernel to a graph's GPU time."""
+    try:
+        from fusionscope.apply.replay import profile_gpu, replay_figures
+
+        x = torch.zeros(1, device="cuda")
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            x.add_(1)  # lazy initialisation outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(kernels):
+                x.add_(1)
+        graph.replay()
+        with tempfile.TemporaryDirectory(prefix="fusionscope-gap-") as tmp:
+            figures = replay_figures(profile_gpu(graph.replay, Path(tmp)))
+        return figures["gap_us_per_kernel"] if figures["kernels"] >= kernels // 2 else None
+    except Exception:  # a profiler that cannot see into graphs leaves the term out, it does not stop a run
+        return None

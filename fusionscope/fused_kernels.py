@@ -84,6 +84,7 @@ ENGINE_KERNELS: tuple[EngineKernel, ...] = (
     _k(r"(?<!\w)_silu_and_mul_kernel\b", "silu_and_mul", "fusionscope"),
     _k(r"(?<!\w)_gelu_and_mul_kernel\b", "gelu_and_mul", "fusionscope"),
     _k(r"(?<!\w)_rope(?:_and_cache)?_kernel\b", "rope", "fusionscope"),
+    _k(r"(?<!\w)_decode_attention(?:_combine)?_kernel\b", "decode_attention", "fusionscope"),
     _k(r"(?<!\w)_add_layer_norm_kernel\b", "add_layer_norm", "fusionscope"),
     _k(r"(?<!\w)_bias_gelu_kernel\b", "bias_gelu", "fusionscope"),
     _k(r"(?<!\w)_linear_act_kernel\b", "linear_act", "fusionscope"),

@@ -22,6 +22,7 @@ _PUBLIC: dict[str, str] = {  # public name -> module that defines it
     "bias_gelu": "bias_gelu", "bias_gelu_reference": "bias_gelu",
     "add_layer_norm": "add_layer_norm", "add_layer_norm_reference": "add_layer_norm",
     "rope": "rope", "rope_reference": "rope", "rope_and_cache": "rope", "rope_and_cache_reference": "rope",
+    "decode_attention": "decode_attention", "decode_attention_reference": "decode_attention",
     "linear_act": "linear_act", "linear_act_reference": "linear_act", "linear_act_unfused": "linear_act",
     "w4a16_gemm": "w4a16_gemm", "w4a16_reference": "w4a16_gemm", "quantize_w4": "w4a16_gemm",
     "sample": "sample", "sample_reference": "sample", "kept_probs_reference": "sample",

@@ -55,6 +55,21 @@ def test_kernel_rows_carry_module_paths(tiny_run: Path) -> None:
     assert set(kernels["bound"]) <= {"compute", "memory", "latency", "unmodeled"}
 
 
+def test_profile_shows_the_decode_floor_in_the_terminal_and_the_report(tiny_run: Path) -> None:
+    """The weight-streaming floor of the decode phase beside its unprofiled step, so a user sees how far eager decode
+    is from the least a step can take before applying anything."""
+    summary = json.loads((tiny_run / "summary.json").read_text())
+    floor = summary["phases"]["decode"]["weight_floor"]
+    assert floor["ms"] > 0 and "weight_floor" not in summary["phases"]["prefill"]
+    result = runner.invoke(app, ["report", str(tiny_run)])
+    assert result.exit_code == 0, result.output
+    line = next(x for x in result.output.splitlines() if "weight-streaming floor" in x)
+    assert line.startswith("decode:") and f"{floor['ms']:.2f} ms/step" in line
+    step = summary["phases"]["decode"]["wall_ms_per_step_unprofiled"]
+    assert f"{step / floor['ms']:.2f}× the floor" in line
+    assert "weight-streaming floor</dt>" in (tiny_run / "report.html").read_text()
+
+
 def test_report_rerenders_from_saved_data(tiny_run: Path) -> None:
     html = tiny_run / "report.html"
     html.write_text("<html>an earlier rendering</html>")

@@ -83,6 +83,8 @@ ENGINE = [
     ("_silu_and_mul_kernel", "", "silu_and_mul", "fusionscope"),
     ("_gelu_and_mul_kernel", "", "gelu_and_mul", "fusionscope"),
     ("_rope_and_cache_kernel", "", "rope", "fusionscope"),
+    ("_decode_attention_kernel", "", "decode_attention", "fusionscope"),
+    ("_decode_attention_combine_kernel", "", "decode_attention", "fusionscope"),
     ("_add_layer_norm_kernel", "", "add_layer_norm", "fusionscope"),
     ("_bias_gelu_kernel", "", "bias_gelu", "fusionscope"),
     ("_linear_act_kernel", "", "linear_act", "fusionscope"),

@@ -32,13 +32,15 @@ def counts_per_step(graph: Graph) -> dict[int, Counter]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_llama_counts_follow_the_config(layers: int, dtype: torch.dtype, tmp_path: Path) -> None:
     """Per step: 2L add_rms_norm (every norm after a residual add, the final norm included), 1 rms_norm (layer 0's
-    input norm), and L each of silu_and_mul, rope, qkv and gate_up."""
+    input norm), and L each of silu_and_mul, rope, qkv and gate_up; decode steps also L decode_attention (one query
+    token's SDPA call per layer)."""
     graph = record({**models.PRESETS["tiny-llama"], "num_hidden_layers": layers}, tmp_path, dtype)
     per_step = counts_per_step(graph)
     assert sorted(per_step) == list(range(5))  # 3 prefill steps, 2 decode steps
-    for counts in per_step.values():
+    for step, counts in per_step.items():
+        decode = {"decode_attention": layers} if step >= 3 else {}
         assert counts == Counter({"add_rms_norm": 2 * layers, "rms_norm": 1, "silu_and_mul": layers, "rope": layers,
-                                  "qkv": layers, "gate_up": layers})  # fmt: skip
+                                  "qkv": layers, "gate_up": layers, **decode})  # fmt: skip
 
 
 def test_llama_groups_hold_the_whole_chain(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ weight-streaming floor."""
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -41,6 +42,8 @@ def test_apply_graphs_checks_every_variant_teacher_forced_on_the_cpu(tmp_path) -
     assert variants[graphs.LIGER]["passed"] is False and variants[graphs.LIGER]["reason"]
     assert "need a GPU" in result["timing_note"]
     assert result["floor"]["bytes"] > 0 and run.summary["phases"]["decode"]["weight_floor"]["ms"] > 0
+    report = (tmp_path / "r" / "report.html").read_text()
+    assert "table-apply-graphs" in report and "the decode step in a CUDA graph" in report
 
 
 def test_the_static_caches_own_write_counter_is_why_a_capture_puts_it_back(tiny) -> None:
@@ -108,3 +111,36 @@ def test_rope_under_a_static_cache_rotates_and_writes_the_cache_in_one_launch(ti
     assert len(calls) == (2 * 4 + 1) * layers
     fig = numerics.compare(forced, graphs.last_position(ref))
     assert fig["max_abs"] < 1e-4 and torch.equal(own, ref.tokens)
+
+
+def test_graphs_only_times_the_eager_model_unpatched_and_all_together(monkeypatch, tmp_path) -> None:
+    """`--graphs-only` keeps the eager baseline and all passing fusions together (the graph table's eager row and
+    the fused step), and leaves out each fusion alone; without it each fusion is timed alone too."""
+    from types import SimpleNamespace
+
+    from fusionscope.apply import measure, run
+
+    sets: list[list[str]] = []
+
+    def timed(workload, variants, enter, sampler, repeats, note):
+        sets.append(list(variants))
+        return {n: measure.Measurement(wall_ms={"decode": [10.0 if n == run.BASELINE else 8.0]}) for n in variants}
+
+    monkeypatch.setattr(run, "_timed_set", timed)
+    monkeypatch.setattr(measure, "gpu_figures", lambda *a, **k: {"decode": {"gpu_ms": 1.0, "kernels": 10}})
+    workload = SimpleNamespace(phases=("decode",))
+    summary = {"phases": {"decode": {}}, "opportunities": []}
+    for alone, first in ((False, [run.BASELINE, run.ALL_FOUND]),
+                         (True, [run.BASELINE, "rope", "qkv", run.ALL_FOUND])):  # fmt: skip
+        sets.clear()
+        out = run.measure_variants(workload, summary, ["rope", "qkv"], lambda f: nullcontext(), None, 1, tmp_path,
+                                   lambda _: None, together_ok=True, alone=alone)  # fmt: skip
+        assert sets == [first]
+        assert out["all_together"] == {"decode": run.ALL_TOGETHER}
+        assert out["variants"][run.ALL_TOGETHER]["fusions"] == ["rope", "qkv"]
+
+
+def test_graphs_only_without_graphs_is_one_line(tmp_path) -> None:
+    result = CliRunner().invoke(app, ["apply", "--graphs-only", "--out", str(tmp_path / "x")])
+    assert result.exit_code == 2 and "--graphs-only" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "x").exists()

@@ -212,13 +212,15 @@ def _rotation_matches(modeling: ModuleType) -> str:
     return ""
 
 
-def rope_support(module: nn.Module | None, patcher: Patcher | None = None) -> AttentionShape | str:
-    """The shape of an attention instance the rope rewrite can take, or why not."""
+def attention_support(module: nn.Module | None, patcher: Patcher | None = None) -> AttentionShape | str:
+    """The shape of an attention instance the rewrite can take, or why not. An instance whose forward this patch's
+    attention rewrite already holds (another part of it bound first) is taken as it is."""
     if module is None:
         return "the model has no module at this path"
-    replaced = forward_replaced(module, patcher)
-    if replaced:
-        return replaced
+    if patcher is None or id(module) not in patcher.state.get(PARTS, {}):
+        replaced = forward_replaced(module, patcher)
+        if replaced:
+            return replaced
     shape = read_attention(type(module))
     if isinstance(shape, str):
         return shape
@@ -228,21 +230,40 @@ def rope_support(module: nn.Module | None, patcher: Patcher | None = None) -> At
         return f"this {type(module).__name__} has no {', '.join(missing)}"
     dtype = getattr(getattr(module.q_proj, "weight", getattr(module.q_proj, "scales", None)), "dtype", None)
     if dtype not in KERNEL_DTYPES:
-        return f"the rope kernel takes fp32, fp16 or bf16 activations; the projections are {dtype}"
+        return f"the kernels take fp32, fp16 or bf16 activations; the projections are {dtype}"
     modeling = modeling_module(module)
-    absent = [n for n in ("ALL_ATTENTION_FUNCTIONS", "eager_attention_forward") if not hasattr(modeling, n)]
+    absent = [n for n in ("ALL_ATTENTION_FUNCTIONS", "eager_attention_forward", "apply_rotary_pos_emb")
+              if not hasattr(modeling, n)]  # fmt: skip
     if absent:
         return f"{modeling.__name__} has no {', '.join(absent)}"
-    return _rotation_matches(modeling) or shape
+    return shape
 
 
-def rope_forward(shape: AttentionShape, modeling: ModuleType, rope: Callable[..., Any],
-                 rope_and_cache: Callable[..., Any] | None = None) -> Callable[..., Any]:  # fmt: skip
-    """The forward of one attention instance: the class's forward (see `read_attention`) with `rope(q, k, cos, sin)`
-    in place of `apply_rotary_pos_emb`, in eval mode (`unless_training`). Under a static cache (`static_layer`) the
-    rotation and the cache write are one `rope_and_cache` launch: the rotated k and v go straight into the cache's
-    rows at its counter, which advances as `StaticLayer.update` advances it (a device op, so a CUDA graph replays
-    it). hidden_states: (B, S, hidden); returns (attn_output, attn_weights)."""
+def rope_support(module: nn.Module | None, patcher: Patcher | None = None) -> AttentionShape | str:
+    """The shape of an attention instance the rope rewrite can take, or why not."""
+    shape = attention_support(module, patcher)
+    if isinstance(shape, str):
+        return shape
+    return _rotation_matches(modeling_module(module)) or shape
+
+
+PARTS = "attention"  # Patcher.state key: {id(attention module): its rewrite's parts} for the instances rewritten
+
+
+def attention_forward(shape: AttentionShape, modeling: ModuleType, parts: dict[str, Callable[..., Any]]
+                      ) -> Callable[..., Any]:  # fmt: skip
+    """The forward of one attention instance: the class's forward (see `read_attention`), in eval mode
+    (`unless_training`), with what `parts` holds at call time in place of its steps — several fusions share one
+    rewrite of the same instance, each adding its part:
+    - `rope`: `rope(q, k, cos, sin)` in place of `apply_rotary_pos_emb` (else the module's global, as the class);
+    - `rope_and_cache`: under a static cache (`static_layer`) the rotation and the cache write in one launch: the
+      rotated k and v go straight into the cache's rows at its counter, which advances as `StaticLayer.update`
+      advances it (a device op, so a CUDA graph replays it);
+    - `decode`: for one query token against a static cache layer, `decode(q, keys, values, length, scale)` in
+      place of the attention function: the whole cache read once, up to the layer's own counter (`length`, a
+      device tensor: the rows written so far), so neither the repeat_kv copies nor the mask of the static-cache
+      path exist. Taken only without sliding window, soft-capping or dropout, which the kernel does not do.
+    hidden_states: (B, S, hidden); returns (attn_output, attn_weights)."""
     names = dict(shape.arguments)
 
     def forward(
@@ -257,6 +278,7 @@ def rope_forward(shape: AttentionShape, modeling: ModuleType, rope: Callable[...
         if len(args) > 1:
             raise TypeError(f"forward takes at most 4 positional arguments after self, got {3 + len(args)}")
         cache = args[0] if args else kwargs.pop(shape.cache_name, None)
+        rope, rope_and_cache, decode = parts.get("rope"), parts.get("rope_and_cache"), parts.get("decode")
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         query = self.q_proj(hidden_states).view(hidden_shape)
@@ -275,30 +297,55 @@ def rope_forward(shape: AttentionShape, modeling: ModuleType, rope: Callable[...
                                    layer.values, positions)  # fmt: skip
             key, value = layer.keys, layer.values
         else:
-            query, key = rope(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+            rotate = rope or modeling.apply_rotary_pos_emb
+            query, key = rotate(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
             if cache is not None:
                 more = {"kwargs": kwargs} if shape.update_kwargs else {}
                 key, value = cache.update(key, value, self.layer_idx, **more)
-        interface = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, modeling.eager_attention_forward
-        )
         named = {name: read(self) for name, read in names.items()}
-        attn_output, attn_weights = interface(self, query, key, value, attention_mask, **named, **kwargs)
+        layer = static_layer(cache, self.layer_idx) if decode is not None and cache is not None else None
+        if layer is not None and query.shape[2] == 1 and key is layer.keys and _plain(named):
+            scale = named.get("scaling") or self.head_dim**-0.5
+            attn_output = decode(query, layer.keys, layer.values, layer.cumulative_length, scale)
+            attn_weights = None
+        else:
+            interface = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(
+                self.config._attn_implementation, modeling.eager_attention_forward
+            )
+            attn_output, attn_weights = interface(self, query, key, value, attention_mask, **named, **kwargs)
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return self.o_proj(attn_output), attn_weights
 
     return unless_training(forward)
 
 
+def _plain(named: dict[str, Any]) -> bool:
+    """No sliding window, soft-capping or dropout among the attention function's keywords: what `decode` computes."""
+    return not named.get("sliding_window") and not named.get("softcap") and not named.get("dropout")
+
+
+def bind_part(patcher: Patcher, module: nn.Module, shape: AttentionShape, owner: str,
+              part: dict[str, Callable[..., Any]]) -> None:  # fmt: skip
+    """Give `module`'s attention rewrite `part`: bind the rewrite on the instance when no fusion of this patch did
+    yet, else add the part to the one bound; the part leaves again when the patch is restored."""
+    bound = patcher.state.setdefault(PARTS, {})
+    parts = bound.get(id(module))
+    if parts is None:
+        parts = bound[id(module)] = {}
+        patcher.set_forward(module, attention_forward(shape, modeling_module(module), parts), owner=owner)
+    parts.update(part)
+    patcher.on_restore(lambda: [parts.pop(name, None) for name in part])
+
+
 def patch_rope(patcher: Patcher, path: str, owner: str) -> Support:
-    """Bind the rope forward on the attention instance at `path`, or say why not."""
+    """Give the attention instance at `path` the rope part, or say why not."""
     module = patcher.module(path)
     shape = rope_support(module, patcher)
     if isinstance(shape, str):
         return Support.no(shape)
     from fusionscope.kernels import rope, rope_and_cache
 
-    patcher.set_forward(module, rope_forward(shape, modeling_module(module), rope, rope_and_cache), owner=owner)
+    bind_part(patcher, module, shape, owner, {"rope": rope, "rope_and_cache": rope_and_cache})
     return Support.yes()
 
 

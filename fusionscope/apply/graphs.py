@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusionscope.apply import numerics
+from fusionscope.apply import numerics, replay
 from fusionscope.capture import _forward_kwargs
 from fusionscope.floor import weight_floor
 
@@ -42,6 +42,7 @@ GRAPH = "graph"
 FUSED_GRAPH = "fused + graph"
 COMPILE = "torch.compile"
 LIGER = "liger"
+BROKEN_DOWN = (GRAPH, FUSED_GRAPH)  # the variants whose replay gets a per-kernel breakdown against the roofs
 
 
 def static_cache(model: nn.Module, max_len: int) -> Any:
@@ -81,6 +82,7 @@ class StaticDecoder:
         self.position = torch.zeros(1, dtype=torch.long, device=device)
         self.logits: torch.Tensor | None = None
         self.graph: Any = None
+        self.roofs: dict | None = None  # the device's roofs, for the per-kernel breakdown of a profiled replay
 
     def _call(
         self, ids: torch.Tensor, position: torch.Tensor, forward: Callable[..., Any] | None = None
@@ -278,15 +280,39 @@ def compiled_forward(model: nn.Module) -> Callable[..., Any]:
     return torch.compile(model.forward, mode="reduce-overhead", fullgraph=False, dynamic=False)
 
 
+def profile_variant(name: str, decoder: StaticDecoder) -> dict[str, Any]:
+    """One profiled step of a checked variant: its replay (the compiled peer: one compiled step), kernels and GPU
+    time; for `BROKEN_DOWN` variants also each kernel against the roofs, costed by the same step run eagerly."""
+    if decoder.graph is None:
+        return replay.replay_profile(decoder.step, None, decoder.model, None)
+
+    def eager() -> None:
+        with torch.inference_mode():
+            decoder._body()
+
+    return replay.replay_profile(decoder.graph.replay, eager if name in BROKEN_DOWN else None, decoder.model,
+                                 decoder.roofs)  # fmt: skip
+
+
+def _profiled(name: str, decoder: StaticDecoder) -> dict[str, Any]:
+    """`profile_variant`, or the reason it failed: a profiler that cannot trace a replay costs the figures, not the
+    variant's timing."""
+    try:
+        return profile_variant(name, decoder)
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+
+
 def run_graphs(workload: Any, fusions_by_variant: dict[str, list[str]], enter: Callable[[list[str]], Any],
                ref: numerics.Reference, ref32: numerics.Reference, eager_vs_fp32: dict,
-               real_weights: bool, repeats: int, copy_gbps: float | None, eager_ms: float | None,
+               real_weights: bool, repeats: int, roofs: dict | None, eager_ms: float | None,
                note: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
     """Every graph variant (`fusions_by_variant`: name → fusions; `[]` is the graph alone) and peer, checked
-    teacher-forced against the eager model with the same patches (`ref`: the unpatched one's reference), then timed
-    in interleaved rounds (each round builds and
-    captures each variant afresh: a patch's fused weights exist only while it is entered, and a graph holds their
-    addresses). Returns `summary["apply"]["graphs"]`."""
+    teacher-forced against the eager model with the same patches (`ref`: the unpatched one's reference), profiled
+    over one replay (`profile_variant`), then timed in interleaved rounds (each round builds and captures each
+    variant afresh: a patch's fused weights exist only while it is entered, and a graph holds their addresses).
+    Returns `summary["apply"]["graphs"]`."""
+    copy_gbps = (roofs or {}).get("copy_gbps")
     from fusionscope.apply.run import json_safe
 
     model = workload.module
@@ -333,6 +359,10 @@ def run_graphs(workload: Any, fusions_by_variant: dict[str, list[str]], enter: C
                     ok, why = numerics.judge(fig, fig32, eager_vs_fp32, dtype, real_weights)
                     row.update(numerics=json_safe(fig), numerics_vs_fp32=json_safe(fig32), passed=ok, reason=why,
                                free_running=free_running(own_tokens, eager_ref))  # fmt: skip
+                    if gpu and ok:
+                        note(f"graphs: profiling one step of {name}")
+                        decoder.roofs = roofs
+                        row["replay"] = _profiled(name, decoder)
             except Exception as exc:  # a fusion that cannot be captured is skipped with its reason
                 row.update(passed=False, reason=f"could not be captured: {type(exc).__name__}: "
                                                 f"{str(exc).splitlines()[0] if str(exc) else ''}")  # fmt: skip
@@ -358,6 +388,9 @@ def run_graphs(workload: Any, fusions_by_variant: dict[str, list[str]], enter: C
         variants[LIGER] = {"fusions": [], "passed": False, "reason": liger_note, "ms_per_token_rounds": []}
     floor = weight_floor(model, ids.shape[0], ids.shape[1] + steps / 2, copy_gbps or 0.0)
     for row in variants.values():
+        figures = row.get("replay") or {}
+        row["gpu_ms_per_step"] = figures.get("gpu_busy_ms")
+        row["kernels_per_step"] = figures.get("kernels")
         rounds = row.get("ms_per_token_rounds") or []
         row["ms_per_token"] = statistics.median(rounds) if rounds else None
         ms = row["ms_per_token"]

@@ -82,12 +82,15 @@ def apply(
     top_k: int = 50,
     top_p: float = 0.9,
     graphs: bool = False,
+    graphs_only: bool = False,
     quantize: str | None = None,
     on_stage: Callable[[str], None] | None = None,
 ) -> ApplyRun:
     """Profile MODEL (or take `from_run`'s predictions), patch the fusions found (`fusions`: "all", "a,b" or a list),
     check numerics, measure `repeats` interleaved rounds (`graphs`: also the decode step in a CUDA graph, beside
-    torch.compile, Liger and the weight-streaming floor), and write the run folder. Returns an `ApplyRun`.
+    torch.compile, Liger and the weight-streaming floor; `graphs_only`: with `graphs`, the eager model is timed
+    unpatched and with all passing fusions only, not each fusion alone), and write the run folder. Returns an
+    `ApplyRun`.
 
     `quantize` ("w4", "w4:<group>", "w4:channel") first quantises the model's Linears to int4 (not the embedding or
     the LM head): before profiling, so the finder sees the unfused dequantise + GEMM chain and `dequant_gemm` is
@@ -101,6 +104,8 @@ def apply(
         raise UsageError("--repeats must be ≥ 1")
     if graphs and decode_steps < 1:
         raise UsageError("--graphs measures the decode step: give --decode-steps ≥ 1")
+    if graphs_only and not graphs:
+        raise UsageError("--graphs-only narrows what --graphs measures in eager mode: give --graphs too")
     note = on_stage or (lambda _msg: None)
     t_start = time.perf_counter()
     earlier = load_run(from_run) if from_run is not None else None
@@ -161,7 +166,7 @@ def apply(
             raise UsageError(f"--graphs needs a generation model with a decode phase; {spec.name} has none")
         if quantized:
             summary["quantize"] = quantized["report"]
-        summary["apply"] = run_apply(workload, summary, wanted, repeats, tmp, note, graphs)
+        summary["apply"] = run_apply(workload, summary, wanted, repeats, tmp, note, graphs, graphs_only)
         if quantized:
             summary["apply"]["quantization"] = {
                 "spec": quantize.strip(),
@@ -253,8 +258,10 @@ def run_apply(
     tmp: Path,
     note: Callable[[str], None],
     graphs: bool = False,
+    graphs_only: bool = False,
 ) -> dict:
-    """The apply stages on a built workload; returns `summary["apply"]`."""
+    """The apply stages on a built workload; returns `summary["apply"]`. `graphs_only`: the eager model is timed
+    unpatched and with all passing fusions only, not each fusion alone (what `--graphs` needs, in less time)."""
     import torch
 
     from fusionscope.apply import numerics
@@ -375,6 +382,7 @@ def run_apply(
         note,
         together_ok=not together_numerics or together_numerics["passed"],
         applied={f: row["applied"] for f, row in fusion_rows.items()},
+        alone=not graphs_only,
     )
     result["rows"] = variant_rows(result["timing"], fusion_rows)
     if graphs:
@@ -385,36 +393,60 @@ def run_apply(
 def graph_variants(workload: Any, summary: dict, passing: list[str], enter: Callable[[list[str]], Any], ref: Any,
                    ref32: Any, eager_raw: dict, real_weights: bool, repeats: int, note: Callable[[str], None],
                    timing: dict | None) -> dict:  # fmt: skip
-    """`apply --graphs`: the graph alone, each passing fusion + graph, and fused + graph (decode's all together;
-    every passing fusion without timing), beside the peers (`graphs.run_graphs`), with the step model's predictions:
-    a graph alone removes `cuda_graph_share_unfused` of the eager step; fused + graph runs at the fused GPU time,
-    so its gain over the graph alone is the all-together GPU speedup. Greedy decoding (a graph step picks by
-    argmax), so the sampling fusion takes no part."""
+    """`apply --graphs`: the graph alone, each passing fusion + graph, and fused + graph (every passing fusion: under
+    a graph the host cost that can make a fusion slower in eager mode is gone, and each fusion + graph is measured
+    on its own beside it), beside the peers (`graphs.run_graphs`), with the step model's predictions: a graph alone
+    removes `cuda_graph_share_unfused` of the eager step, a graph after the fusions `cuda_graph_share` of the fused
+    step, so fused + graph runs at the fused GPU time and its gain over the graph alone is the all-together GPU
+    speedup. Greedy decoding (a graph step picks by argmax), so the sampling fusion takes no part."""
     from fusionscope.apply import graphs
 
-    model_fusions = [f for f in passing if f != "sampling"]
-    together = model_fusions
+    together = [f for f in passing if f != "sampling"]
     eager_ms = None
     if timing is not None:
-        label = timing["all_together"].get("decode", ALL_TOGETHER)
-        together = [f for f in timing["variants"].get(label, {}).get("fusions", model_fusions) if f != "sampling"]
         eager_ms = timing["variants"][BASELINE]["phases"].get("decode", {}).get("wall_ms")
-    variants = {graphs.GRAPH: [], **{f"{f} + graph": [f] for f in model_fusions}}
+    variants = {graphs.GRAPH: [], **{f"{f} + graph": [f] for f in together}}
     if together:
         variants[graphs.FUSED_GRAPH] = together
     out = graphs.run_graphs(workload, variants, enter, ref, ref32, eager_raw, real_weights, repeats,
-                            summary.get("roofs", {}).get("copy_gbps"), eager_ms, note)  # fmt: skip
+                            summary.get("roofs"), eager_ms, note)  # fmt: skip
     plan = summary.get("cumulative", {}).get("decode") or {}
     share = plan.get("cuda_graph_share_unfused")
-    fused_gpu = predicted(summary, "decode", together).get("speedup_gpu") if together else None
+    pred = predicted(summary, "decode", together) if together else {}
+    fused_gpu = pred.get("speedup_gpu")
+    # a replayed graph runs at the step's GPU time plus the device's idle time between two of its kernels
+    # (`roofs.graph_gap_us`) per kernel: the profiled step (graph alone), less what the fusions save (fused + graph)
+    gpu_us = (plan.get("step_model") or {}).get("gpu_us")
+    gap = (summary.get("roofs") or {}).get("graph_gap_us") or 0.0
+    kernels = summary.get("phases", {}).get("decode", {}).get("kernels_per_step") or 0.0
+    fused_kernels = kernels - (pred.get("kernels_removed") or 0.0) + (pred.get("launches_added") or 0.0)
     out["predicted"] = {
         "graph_vs_eager": 1 / (1 - share) if share is not None and share < 1 else None,
         "fused_graph_vs_graph": fused_gpu,
         "cuda_graph_share": plan.get("cuda_graph_share"),
         "cuda_graph_share_unfused": share,
+        "graph_gap_us": gap or None,
+        "graph_ms": (gpu_us + kernels * gap) / 1e3 if gpu_us else None,
+        "fused_graph_ms": (gpu_us - (pred.get("saved_gpu_us") or 0.0) + fused_kernels * gap) / 1e3
+        if gpu_us and fused_gpu
+        else None,
     }
+    if out["predicted"]["graph_ms"] and out["predicted"]["fused_graph_ms"]:
+        fused_gpu = out["predicted"]["fused_graph_vs_graph"] = (
+            out["predicted"]["graph_ms"] / out["predicted"]["fused_graph_ms"]
+        )
+    for name, key in ((graphs.GRAPH, "graph_ms"), (graphs.FUSED_GRAPH, "fused_graph_ms")):
+        row = out["variants"].get(name)
+        if row is not None:
+            row["predicted_ms"] = out["predicted"][key]
+            ms = row.get("ms_per_token")
+            row["error_vs_predicted"] = ms / out["predicted"][key] - 1 if ms and out["predicted"][key] else None
     measured = out.get("fused_vs_graph")
     out["error_fused_vs_graph"] = measured / fused_gpu - 1 if measured and fused_gpu else None
+    graph_ms = out["variants"].get(graphs.GRAPH, {}).get("ms_per_token")
+    out["graph_vs_eager"] = eager_ms / graph_ms if eager_ms and graph_ms else None
+    want = out["predicted"]["graph_vs_eager"]
+    out["error_graph_vs_eager"] = out["graph_vs_eager"] / want - 1 if out["graph_vs_eager"] and want else None
     return out
 
 
@@ -466,6 +498,7 @@ def measure_variants(
     note: Callable[[str], None],
     together_ok: bool,
     applied: dict[str, list[str]] | None = None,
+    alone: bool = True,
 ) -> dict:
     """Interleaved timing and one profiled pass per variant; per variant and phase the measured figures beside the
     predicted ones (for the sites `applied`: fusion → paths), each ratio against the baseline of its own set.
@@ -474,17 +507,18 @@ def measure_variants(
     and together are compared under the same host drift. "All together" in a phase leaves out the fusions that were
     clearly slower alone there; a choice that differs from all found is timed in a second set with its own baseline,
     one variant per distinct choice, named after the phases that chose it. `all_together` maps each phase to the
-    variant that is its "all together"."""
+    variant that is its "all together". `alone=False` (`--graphs-only`) times the baseline and all found only."""
     from fusionscope.apply import measure
 
     phases = [p for p in workload.phases if p in summary.get("phases", {})]
-    first = {BASELINE: [], **{f: [f] for f in passing}}
-    if together_ok and len(passing) > 1:
+    first = {BASELINE: [], **({f: [f] for f in passing} if alone else {})}
+    if together_ok and (len(passing) > 1 or (passing and not alone)):
         first[ALL_FOUND] = list(passing)
     timed = _timed_set(workload, first, enter, sampler, repeats, note)
     choice: dict[str, list[str]] = {}  # phase -> its all-together fusions
     if ALL_FOUND in first:
-        choice = {ph: [f for f in passing if not clearly_slower(timed[f], timed[BASELINE], ph)] for ph in phases}
+        choice = {ph: [f for f in passing if f not in timed or not clearly_slower(timed[f], timed[BASELINE], ph)]
+                  for ph in phases}  # fmt: skip
     distinct = [c for c in dict.fromkeys(tuple(c) for c in choice.values()) if c and list(c) != passing]
     second = {f"{ALL_TOGETHER} ({', '.join(ph for ph in phases if tuple(choice[ph]) == c)})": list(c) for c in distinct}
     timed_second = _timed_set(workload, {BASELINE: [], **second}, enter, sampler, repeats, note) if second else {}
@@ -565,6 +599,7 @@ def predicted(summary: dict, phase: str, fusions: list[str],
                 "saved_gpu_us": None}  # fmt: skip
     ops = sum((r.get("ops_now") or 0.0) * share[id(r)] for r in rows)
     launches = sum((r.get("launches_fused") or 0.0) * share[id(r)] for r in rows)
+    kernels_removed = sum((r.get("launches_now") or 0.0) * share[id(r)] for r in rows)
     # profiled host time of the groups; runs written before it was recorded have none (ops × mean cost stand in)
     host = (
         sum((r.get("host_now_us") or 0.0) * share[id(r)] for r in rows)
@@ -581,6 +616,7 @@ def predicted(summary: dict, phase: str, fusions: list[str],
         "ops_removed": ops,
         "host_removed_us": gain.saved_host_us + launches * model.launch_us,
         "launches_added": launches,
+        "kernels_removed": kernels_removed,
         "host_us_per_op": model.host_us_per_op,
         "launch_us": model.launch_us,
     }

@@ -27,6 +27,7 @@ VOCAB = 128256
 ROPE_HEADS = (32, 8, 128)  # query heads, KV heads, head dim (Llama-3-8B)
 ROPE_SHAPES = ((1, 1), (16, 1), (64, 1), (1, 4096), (8, 4096))  # (batch, sequence)
 CACHE_LEN = 4096  # static KV cache length for rope_and_cache
+CACHE_FILL = (0.15, 1.0)  # decode_attention: valid fraction of the CACHE_LEN-row static cache at the measured step
 GLU_PREFILL_ROWS = (4096, 16384)
 QKV = (4096, (4096, 1024, 1024), (1, 16, 64, 256))  # hidden, output sizes, rows (Llama-3-8B's q, k, v)
 LINEAR = (4096, 16384)  # hidden → intermediate of a GPT-style MLP
@@ -271,6 +272,63 @@ def rope_and_cache_case(batch: int, heads: int, kv_heads: int, dim: int, cache_l
     )
 
 
+def hf_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Hugging Face's sdpa path on a StaticCache at decode: `repeat_kv` copies of the whole cache, a boolean mask of
+    the valid rows, SDPA, then `sdpa_attention_forward`'s `.transpose(1, 2).contiguous()`."""
+    from transformers.models.llama.modeling_llama import repeat_kv
+
+    groups = q.shape[1] // k_cache.shape[1]
+    out = F.scaled_dot_product_attention(
+        q, repeat_kv(k_cache, groups), repeat_kv(v_cache, groups), attn_mask=mask, scale=scale
+    )
+    return out.transpose(1, 2).contiguous()
+
+
+def decode_attention_case(batch: int, heads: int, kv_heads: int, dim: int, cache_len: int, fill: float) -> Case:
+    """One query token per sequence against a static cache with `length` = fill · cache_len valid rows: HF's sdpa
+    path (repeat_kv, mask, SDPA over all cache_len rows), PyTorch's SDPA with `enable_gqa` and the mask, and ours
+    (one launch reading rows 0..length-1 of K and V once, `length` read on the device). Traffic: q, the valid K and
+    V rows, the output."""
+    mod = kernel_module("decode_attention")
+    length = max(1, min(cache_len, round(fill * cache_len)))
+    scale = dim**-0.5
+
+    def build(dev: torch.device, dt: torch.dtype) -> dict[str, Any]:
+        return {
+            "q": torch.randn(batch, 1, heads, dim, device=dev, dtype=dt).transpose(1, 2),
+            "kc": torch.randn(batch, kv_heads, cache_len, dim, device=dev, dtype=dt),
+            "vc": torch.randn(batch, kv_heads, cache_len, dim, device=dev, dtype=dt),
+            "length": torch.tensor([length], device=dev),
+            "mask": (torch.arange(cache_len, device=dev) < length).expand(batch, 1, 1, cache_len),
+        }
+
+    def torch_gqa(i: dict[str, Any]) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(
+            i["q"], i["kc"], i["vc"], attn_mask=i["mask"], scale=scale, enable_gqa=True
+        )
+        return out.transpose(1, 2).contiguous()
+
+    return Case(
+        "decode_attention",
+        f"B{batch} H{heads}/{kv_heads} D{dim} len{length}/{cache_len}",
+        "decode",
+        build=build,
+        traffic=lambda i: 2 * nbytes(i["q"]) + 2 * nbytes(i["kc"][:, :, :length]),
+        variants={
+            "eager": lambda i: hf_decode_attention(i["q"], i["kc"], i["vc"], i["mask"], scale),
+            "compile": lambda i: _compiled(hf_decode_attention)(i["q"], i["kc"], i["vc"], i["mask"], scale),
+            "torch": torch_gqa,
+            "fusionscope": lambda i: mod.decode_attention(i["q"], i["kc"], i["vc"], i["length"], scale),
+        },
+        reference=lambda i: mod.decode_attention_reference(
+            *(_f64(i)[n] for n in ("q", "kc", "vc")), i["length"], scale
+        ),
+        extra={"length": length},
+    )
+
+
 def _hf_add_layer_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, b: torch.Tensor):
     h = x + r
     return F.layer_norm(h, (h.shape[-1],), w, b, EPS), h
@@ -509,6 +567,11 @@ def rope_and_cache_cases() -> list[Case]:
     return [rope_and_cache_case(batch, *ROPE_HEADS, CACHE_LEN) for batch in DECODE_ROWS]
 
 
+def decode_attention_cases() -> list[Case]:
+    """Llama-3-8B's heads (ROPE_HEADS) on a CACHE_LEN-row static cache, at each decode batch and cache fill."""
+    return [decode_attention_case(batch, *ROPE_HEADS, CACHE_LEN, fill) for batch in DECODE_ROWS for fill in CACHE_FILL]
+
+
 def add_layer_norm_cases() -> list[Case]:
     return [add_layer_norm_case(rows, hidden) for rows, hidden in _rows_sweep()]
 
@@ -547,6 +610,7 @@ CASES: dict[str, Callable[[], list[Case]]] = {
     "gelu_and_mul": gelu_and_mul_cases,
     "rope": rope_cases,
     "rope_and_cache": rope_and_cache_cases,
+    "decode_attention": decode_attention_cases,
     "add_layer_norm": add_layer_norm_cases,
     "bias_gelu": bias_gelu_cases,
     "linear_act": linear_act_cases,

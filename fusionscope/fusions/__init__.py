@@ -18,8 +18,8 @@ from fusionscope.fusions.base import Graph, Match
 # after it (a bias add that follows a GEMM belongs to the GEMM's epilogue), allreduce_add_rms_norm before
 # add_rms_norm (under tensor parallelism the add + norm after an all-reduce belong to the all-reduce's epilogue).
 _MODULES = ("dequant_gemm", "linear_act", "bias_gelu", "allreduce_add_rms_norm", "add_rms_norm", "rms_norm",
-            "silu_and_mul", "gelu_and_mul", "add_layer_norm", "rope", "flash_attention", "qkv", "gate_up",
-            "sampling")  # fmt: skip
+            "silu_and_mul", "gelu_and_mul", "add_layer_norm", "rope", "flash_attention", "decode_attention", "qkv",
+            "gate_up", "sampling")  # fmt: skip
 
 
 def fusions() -> list[ModuleType]:

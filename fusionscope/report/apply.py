@@ -144,3 +144,71 @@ def speedup_figure(result: Mapping[str, Any]) -> go.Figure | None:
         margin={"t": 50, "b": 120, "l": 50, "r": 20},
     )
     return fig
+
+
+def graphs_table(graphs: Mapping[str, Any]) -> str:
+    """`apply --graphs`: per variant ms/token, tokens/s, GPU time and kernels of one profiled replay, × the floor,
+    × eager, the step model's prediction and its error, first call, peak memory and the teacher-forced check."""
+    head = ["variant", "ms/token", "tokens/s", "GPU ms", "kernels", "gap µs", "× floor", "× eager", "predicted ms",
+            "error", "first call s", "peak MiB", "check"]  # fmt: skip
+    rows = [["eager (unpatched)", _num(graphs.get("eager_ms_per_token"), ".2f"), *[""] * 5, "1.000", *[""] * 5]]
+    for name, row in (graphs.get("variants") or {}).items():
+        replayed = row.get("replay") or {}
+        check = ("passed: " if row.get("passed") else "not timed: ") + text_or_dash(row.get("reason"))
+        rows.append([html.escape(name), _num(row.get("ms_per_token"), ".2f"), _num(row.get("tokens_per_s"), ".0f"),
+                     _num(row.get("gpu_ms_per_step"), ".2f"), _num(row.get("kernels_per_step"), ".0f"),
+                     _num(replayed.get("gap_us_per_kernel"), ".2f"), _num(row.get("x_floor"), ".2f"),
+                     _num(row.get("speedup_vs_eager"), ".3f"), _num(row.get("predicted_ms"), ".2f"),
+                     _pct(row.get("error_vs_predicted")), _num(row.get("first_call_s"), ".1f"),
+                     _num(row.get("peak_mib"), ".0f"), html.escape(check)])  # fmt: skip
+    pred = graphs.get("predicted") or {}
+    lines = (
+        f"graph alone vs eager: measured {_num(graphs.get('graph_vs_eager'), '.3f')}×, predicted "
+        f"{_num(pred.get('graph_vs_eager'), '.3f')}×, error {_pct(graphs.get('error_graph_vs_eager'))}; "
+        f"fused + graph vs graph alone: measured {_num(graphs.get('fused_vs_graph'), '.3f')}×, predicted "
+        f"{_num(pred.get('fused_graph_vs_graph'), '.3f')}×, error {_pct(graphs.get('error_fused_vs_graph'))}; "
+        f"fused + graph vs torch.compile {_num(graphs.get('fused_vs_compile'), '.3f')}× (compile "
+        f"{_num(graphs.get('compile_seconds'), '.0f')} s)."
+    )
+    note = f'<p class="note">{html.escape(lines)}</p>'
+    if graphs.get("timing_note"):
+        note += f'<p class="note">{html.escape(graphs["timing_note"])}</p>'
+    return _table(head, rows, "table-apply-graphs") + note
+
+
+def breakdown_table(graphs: Mapping[str, Any]) -> str:
+    """Where the fused (else the unfused) replayed step's kernel time goes, per launching op and kernel."""
+    for name in ("fused + graph", "graph"):
+        down = ((graphs.get("variants") or {}).get(name) or {}).get("replay", {}).get("breakdown") or {}
+        if down.get("rows"):
+            break
+    else:
+        return ""
+    head = ["launching op", "kernel", "module", "×", "µs", "share", "GB/s", "% copy", "TFLOP/s", "% peak", "class"]
+    rows = [[html.escape(r["op"]), f'<span class="kernel">{html.escape(r["kernel"][:120])}</span>',
+             html.escape(r.get("module") or ""), str(r["count"]), _num(r["us"], ".0f"),
+             _num(None if r.get("share") is None else 100 * r["share"], ".1f") + "%",
+             _num(r.get("achieved_gbps"), ".0f"),
+             _num(None if r.get("frac_bandwidth") is None else 100 * r["frac_bandwidth"], ".0f"),
+             _num(r.get("achieved_tflops"), ".1f"),
+             _num(None if r.get("frac_compute") is None else 100 * r["frac_compute"], ".0f"),
+             html.escape(r.get("bound") or "")] for r in down["rows"]]  # fmt: skip
+    title = (f"<h3>{html.escape(name)}: one replayed step, kernel by kernel ({_num(down.get('total_us'), '.0f')} µs "
+             f"of kernels)</h3>")  # fmt: skip
+    return title + _table(head, rows, "table-apply-breakdown")
+
+
+def graphs_figure(graphs: Mapping[str, Any]) -> go.Figure | None:
+    """ms per token of every timed variant side by side, the weight-streaming floor as a line."""
+    variants = {n: r.get("ms_per_token") for n, r in (graphs.get("variants") or {}).items() if r.get("ms_per_token")}
+    if graphs.get("eager_ms_per_token"):
+        variants = {"eager": graphs["eager_ms_per_token"], **variants}
+    if not variants:
+        return None
+    fig = go.Figure([go.Bar(x=list(variants), y=list(variants.values()), name="ms/token")])
+    floor = (graphs.get("floor") or {}).get("ms")
+    if floor:
+        fig.add_hline(y=floor, line_dash="dash", annotation_text=f"weight-streaming floor {floor:.2f} ms")
+    fig.update_layout(title="decode ms per token: CUDA-graph variants and peers beside the floor", height=380,
+                      yaxis_title="ms per token", margin={"t": 50, "b": 120, "l": 50, "r": 20})  # fmt: skip
+    return fig

@@ -17,7 +17,15 @@ import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
 from . import assets
-from .apply import numerics_table, speedup_figure, timing_table, tolerance_table
+from .apply import (
+    breakdown_table,
+    graphs_figure,
+    graphs_table,
+    numerics_table,
+    speedup_figure,
+    timing_table,
+    tolerance_table,
+)
 from .figures import module_treemap_figure, roofline_figure, time_breakdown_figure
 from .formatting import (
     DASH,
@@ -158,6 +166,11 @@ def _phase_card(name: str, phase: Mapping[str, Any], device_kind: str, plan: Map
         ("aten ops per step", fmt_int(phase.get("ops_per_step"))),
         ("host µs per kernel", fmt_num(phase.get("host_us_per_kernel"))),
     ]
+    floor = _mapping(phase.get("weight_floor"))
+    if as_float(floor.get("ms")) is not None:
+        step = as_float(phase.get("wall_ms_per_step_unprofiled")) or as_float(phase.get("wall_ms_per_step"))
+        times = f" — the step is {fmt_num(step / as_float(floor['ms']))}× it" if step else ""
+        items.append(("weight-streaming floor", f"{fmt_num(floor['ms'])} ms{times}"))
     pacer = paced_by(plan)
     if device_kind != "cpu":
         items += [
@@ -236,6 +249,28 @@ def _apply_sections(summary: Mapping[str, Any]) -> list[str]:
             timing_table(result) + chart,
             "apply-timing",
         ),
+        *_graphs_section(_mapping(result.get("graphs"))),
+    ]
+
+
+def _graphs_section(graphs: Mapping[str, Any]) -> list[str]:
+    """`apply --graphs`: the decode step captured in a CUDA graph, variants and peers beside the floor (none when the
+    run had no --graphs)."""
+    if not graphs:
+        return []
+    fig = graphs_figure(graphs)
+    chart = _figure_html(fig, "fig-apply-graphs") if fig is not None else ""
+    return [
+        _section(
+            "Applied: the decode step in a CUDA graph",
+            "Each variant's decode step captured once with a static KV cache and replayed per token, checked "
+            "teacher-forced against the eager model before its time counts; torch.compile and Liger measured in the "
+            "same process; ms/token the median of interleaved rounds; GPU time, kernels and the idle time between "
+            "kernels from one profiled replay; × floor against the weight-streaming floor (every weight and the KV "
+            "cache read once at the measured copy bandwidth).",
+            graphs_table(graphs) + chart + breakdown_table(graphs),
+            "apply-graphs",
+        )
     ]
 
 

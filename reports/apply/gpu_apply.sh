@@ -27,12 +27,12 @@ for one in ${set_name//,/ }; do
     large) runs+=("qwen2.5-7b --prompt-len 512 --decode-steps 32 --repeats 3"
                   "mistral-7b --prompt-len 512 --decode-steps 32 --repeats 3") ;;
     graphs1b) runs+=("llama-3.2-1b --prompt-len 128 --decode-steps 16 --repeats 2 --graphs") ;;
-    graphs8b) runs+=("llama-3.1-8b --prompt-len 512 --decode-steps 64 --repeats 5 --graphs") ;;
-    graphs8b16) runs+=("llama-3.1-8b --batch 16 --prompt-len 512 --decode-steps 64 --repeats 3 --graphs") ;;
-    graphs-small) runs+=("qwen2.5-7b --prompt-len 512 --decode-steps 64 --repeats 3 --graphs"
-                         "gemma-2-2b --prompt-len 512 --decode-steps 64 --repeats 3 --graphs") ;;
+    graphs8b) runs+=("llama-3.1-8b --prompt-len 512 --decode-steps 64 --repeats 5 --graphs --graphs-only") ;;
+    graphs8b16) runs+=("llama-3.1-8b --batch 16 --prompt-len 512 --decode-steps 64 --repeats 3 --graphs --graphs-only") ;;
+    graphsqwen) runs+=("qwen2.5-7b --prompt-len 512 --decode-steps 64 --repeats 3 --graphs --graphs-only") ;;
+    graphsgemma) runs+=("gemma-2-2b --prompt-len 512 --decode-steps 64 --repeats 3 --graphs --graphs-only") ;;
     mistral) runs+=("mistral-7b --prompt-len 512 --decode-steps 32 --repeats 3") ;;
-    tests|host|silu|w4a16) ;;
+    tests|host|silu|w4a16|dabench) ;;
     *) echo "unknown set $one"; exit 2 ;;
   esac
 done
@@ -60,6 +60,13 @@ fi
 if [[ ",$set_name," == *",w4a16,"* ]]; then
   # The W4A16 kernel checked and timed against dequant + cuBLAS and bf16 cuBLAS (reports/w4a16/).
   (cd "$work" && timeout 210 python3 "$repo/reports/w4a16/gpu_w4a16.py" "$out") 2>&1 | tail -40
+fi
+
+if [[ ",$set_name," == *",dabench,"* ]]; then
+  # decode_attention checked against its float64 reference and timed against HF's static-cache path, torch.compile
+  # of it and SDPA with enable_gqa (fusionscope bench's variants), before the model runs use it.
+  (cd "$work" && COLUMNS=200 timeout 150 python3 -m fusionscope bench decode_attention --out "$work/bench-da") 2>&1 | tail -40
+  cp "$work/bench-da/bench.json" "$out/bench_decode_attention.json" 2>/dev/null
 fi
 
 pack() {

@@ -1,0 +1,206 @@
+"""What one replay of a captured decode step runs on the GPU: kernels per step, GPU time, the time between kernels,
+and per kernel how far it is from its roof.
+
+A replayed graph launches no aten op, so a profile of a replay holds kernels with nothing to cost them by. The same
+step run eagerly launches the same kernels in the same order — the graph captured exactly that call — with their
+launching ops and shapes. So the eager step's kernel table (`analysis.kernel_table`, the cost model `profile` uses)
+gives each kernel its bytes and FLOPs; its kernels are matched to the replay's by name, in order, and the replay's
+durations replace the eager ones before the kernels are classified against the roofs.
+
+Why the time between kernels is its own figure: a graph removes the host, not the GPU's own cost of starting each
+kernel. A step of 500 kernels that each leave the GPU idle for ~2 µs between them loses a millisecond that no kernel
+duration shows; `gap_us_per_kernel` is that cost, what fewer kernels save under a graph.
+"""
+
+from __future__ import annotations
+
+import difflib
+import gzip
+import json
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+TOP_ROWS = 25  # rows of the per-kernel breakdown kept in summary.json (the rest summed as one row)
+
+
+def gpu_events(trace_path: Path) -> pd.DataFrame:
+    """The GPU work items of a Chrome trace (kernels, copies, memsets), in start order: name, cat, ts_us, dur_us."""
+    opener = gzip.open if trace_path.suffix == ".gz" else open
+    with opener(trace_path, "rt", encoding="utf-8") as f:
+        doc = json.load(f)
+    events = doc.get("traceEvents", doc) if isinstance(doc, dict) else doc
+    rows = [(e.get("name", ""), e["cat"], float(e["ts"]), float(e.get("dur", 0.0)))
+            for e in events if isinstance(e, dict) and e.get("ph") == "X" and e.get("cat") in GPU_CATS]  # fmt: skip
+    frame = pd.DataFrame(rows, columns=["name", "cat", "ts_us", "dur_us"])
+    return frame.sort_values("ts_us", kind="stable").reset_index(drop=True)
+
+
+def replay_figures(events: pd.DataFrame) -> dict[str, Any]:
+    """One replay's totals: kernels (and copies/memsets) per step, GPU busy time (the union of their intervals), the
+    span from the first start to the last end, and the idle time inside that span per kernel."""
+    from fusionscope.analysis import busy_us
+
+    if events.empty:
+        return {"kernels": 0, "copies": 0, "gpu_busy_ms": 0.0, "span_ms": 0.0, "gap_us_per_kernel": None}
+    starts = events["ts_us"].to_numpy(dtype=float)
+    ends = starts + events["dur_us"].to_numpy(dtype=float)
+    busy = busy_us(starts, ends)
+    span = float(ends.max() - starts.min())
+    items = len(events)
+    return {
+        "kernels": int((events["cat"] == "kernel").sum()),
+        "copies": int((events["cat"] != "kernel").sum()),
+        "gpu_busy_ms": busy / 1e3,
+        "span_ms": span / 1e3,
+        "gap_us_per_kernel": (span - busy) / max(items - 1, 1),
+    }
+
+
+def profile_gpu(run: Callable[[], Any], folder: Path) -> pd.DataFrame:
+    """The GPU events of one call of `run` under torch.profiler, after a sync on each side."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    path = folder / "replay.trace.json"
+    prof.export_chrome_trace(str(path))
+    return gpu_events(path)
+
+
+def profile_eager_kernels(run: Callable[[], Any], model: Any, folder: Path, roofs: dict | None) -> pd.DataFrame:
+    """The kernel table of one eager call of `run` (ops with shapes, module ranges), classified against `roofs`:
+    the same columns `profile` writes to kernels.csv, in start order."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from fusionscope.analysis import kernel_table
+    from fusionscope.analyze import classify
+    from fusionscope.capture import STEP_PREFIX, module_ranges
+    from fusionscope.trace import load_timeline
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+        torch.cuda.synchronize()
+    with (
+        profile(activities=activities, record_shapes=True) as prof,
+        module_ranges(model),
+        record_function(f"{STEP_PREFIX}0"),
+    ):
+        run()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    path = folder / "eager_step.trace.json"
+    prof.export_chrome_trace(str(path))
+    kernels = classify(kernel_table(load_timeline(path)), roofs)
+    return kernels.sort_values("ts_us", kind="stable").reset_index(drop=True)
+
+
+def aligned(eager: pd.DataFrame, replay: pd.DataFrame) -> pd.DataFrame:
+    """`replay`'s events with the launching op, module, bytes, FLOPs and dtype of the eager kernel matched to each
+    (by name, in order: the longest common subsequence of the two name lists); `matched` says which found one. A
+    kernel the capture chose differently (another cuBLAS algorithm, say) stays unmatched and so unmodeled."""
+    out = replay.copy()
+    take = ["op", "module", "bytes", "flops", "dtype", "category"]
+    for col in take:
+        out[col] = np.nan if col in ("bytes", "flops") else None
+    out["matched"] = False
+    if eager.empty or replay.empty:
+        return out
+    a, b = list(eager["name"]), list(replay["name"])
+    for block in difflib.SequenceMatcher(None, a, b, autojunk=False).get_matching_blocks():
+        if not block.size:
+            continue
+        src = eager.iloc[block.a : block.a + block.size]
+        rows = out.index[block.b : block.b + block.size]
+        for col in take:
+            if col in src.columns:
+                out.loc[rows, col] = src[col].to_numpy()
+        out.loc[rows, "matched"] = True
+    return out
+
+
+def breakdown(table: pd.DataFrame, roofs: dict | None) -> dict[str, Any]:
+    """The replayed step per launching op and kernel name: count, µs per step, share of the step's kernel time,
+    achieved GB/s and TFLOP/s and their share of the roofs, and the class; largest first, `TOP_ROWS` kept."""
+    from fusionscope.analyze import classify
+
+    if table.empty:
+        return {"rows": [], "matched_share": None, "total_us": 0.0}
+    costed = classify(table.assign(dtype=table["dtype"].where(table["dtype"].notna(), None)), roofs)
+    costed["op"] = costed["op"].fillna("(not matched)")
+    total = float(costed["dur_us"].sum())
+    grouped = costed.groupby(["op", "name"], sort=False, dropna=False).agg(
+        count=("dur_us", "size"), us=("dur_us", "sum"), bytes=("bytes", lambda s: s.sum(min_count=1)),
+        flops=("flops", lambda s: s.sum(min_count=1)), bound=("bound", lambda s: s.mode().iat[0] if len(s) else ""),
+        module=("module", lambda s: _common_module(s)),
+    )  # fmt: skip
+    grouped = grouped.sort_values("us", ascending=False).reset_index()
+    copy_gbps = float(roofs["copy_gbps"]) if roofs and roofs.get("copy_gbps") else None
+    peaks = _peaks(roofs)
+    rows = []
+    for rec in grouped.to_dict("records"):
+        seconds = rec["us"] / 1e6
+        gbps = rec["bytes"] / seconds / 1e9 if seconds and pd.notna(rec["bytes"]) else None
+        tflops = rec["flops"] / seconds / 1e12 if seconds and pd.notna(rec["flops"]) else None
+        rows.append({
+            "op": rec["op"], "kernel": rec["name"], "module": rec["module"], "count": int(rec["count"]),
+            "us": float(rec["us"]), "share": float(rec["us"]) / total if total else None,
+            "achieved_gbps": gbps, "frac_bandwidth": gbps / copy_gbps if gbps is not None and copy_gbps else None,
+            "achieved_tflops": tflops, "frac_compute": tflops / peaks if tflops is not None and peaks else None,
+            "bound": rec["bound"],
+        })  # fmt: skip
+    kept, rest = rows[:TOP_ROWS], rows[TOP_ROWS:]
+    if rest:
+        kept.append({"op": f"({len(rest)} more)", "kernel": "", "module": "", "count": sum(r["count"] for r in rest),
+                     "us": sum(r["us"] for r in rest), "share": sum(r["share"] or 0.0 for r in rest),
+                     "achieved_gbps": None, "frac_bandwidth": None, "achieved_tflops": None, "frac_compute": None,
+                     "bound": ""})  # fmt: skip
+    matched = float(costed.loc[costed["matched"].astype(bool), "dur_us"].sum()) / total if total else None
+    modeled = costed["bytes"].notna()
+    weight_gbps = (
+        float(costed.loc[modeled, "bytes"].sum()) / (float(costed.loc[modeled, "dur_us"].sum()) / 1e6) / 1e9
+        if modeled.any() and costed.loc[modeled, "dur_us"].sum() > 0
+        else None
+    )
+    return {"rows": kept, "matched_share": matched, "total_us": total, "modeled_gbps": weight_gbps}
+
+
+def _common_module(modules: pd.Series) -> str:
+    """The module pattern the rows share (`model.layers.*.mlp`), or the most frequent one."""
+    from fusionscope.analysis import module_pattern
+
+    patterns = modules.dropna().map(module_pattern)
+    return str(patterns.mode().iat[0]) if len(patterns) else ""
+
+
+def _peaks(roofs: dict | None) -> float | None:
+    """The bf16 (else fp16, else fp32) peak TFLOP/s: decode GEMMs run in the model's half dtype."""
+    tflops = (roofs or {}).get("tflops") or {}
+    for key in ("bfloat16", "float16", "float32"):
+        if tflops.get(key):
+            return float(tflops[key])
+    return None
+
+
+def replay_profile(replay: Callable[[], Any], eager: Callable[[], Any] | None, model: Any,
+                   roofs: dict | None) -> dict[str, Any]:  # fmt: skip
+    """Profile one `replay()`; with `eager` (the same step run eagerly), also the per-kernel breakdown. The step's
+    state (cache rows, position) is the caller's to put back."""
+    with tempfile.TemporaryDirectory(prefix="fusionscope-replay-") as tmp:
+        folder = Path(tmp)
+        events = profile_gpu(replay, folder)
+        out = replay_figures(events)
+        if eager is not None:
+            table = aligned(profile_eager_kernels(eager, model, folder, roofs), events)
+            out["breakdown"] = breakdown(table, roofs)
+    return out
