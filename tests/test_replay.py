@@ -147,3 +147,12 @@ def test_graph_predictions_add_the_gap_between_kernels_to_the_gpu_time(monkeypat
     assert out["error_fused_vs_graph"] == pytest.approx((7.5 / 6.0) / pred["fused_graph_vs_graph"] - 1)
     assert out["graph_vs_eager"] == pytest.approx(30.0 / 7.5)
     assert out["error_graph_vs_eager"] == pytest.approx((30.0 / 7.5) * 0.3 - 1)
+
+
+def test_a_bundled_kernel_without_an_aten_op_is_named_apart_from_an_unmatched_one() -> None:
+    table = pd.DataFrame({"name": ["_rms_norm_kernel", "mystery"], "cat": ["kernel"] * 2, "ts_us": [0, 5],
+                          "dur_us": [3.0, 2.0], "op": ["", None], "module": ["model.norm", None],
+                          "bytes": [float("nan")] * 2, "flops": [float("nan")] * 2, "dtype": [None, None],
+                          "category": [None, None], "matched": [True, False]})  # fmt: skip
+    ops = [r["op"] for r in replay.breakdown(table, ROOFS)["rows"]]
+    assert ops == ["(no aten op)", "(not matched)"]

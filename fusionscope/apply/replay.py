@@ -137,21 +137,25 @@ def breakdown(table: pd.DataFrame, roofs: dict | None) -> dict[str, Any]:
     if table.empty:
         return {"rows": [], "matched_share": None, "total_us": 0.0}
     costed = classify(table.assign(dtype=table["dtype"].where(table["dtype"].notna(), None)), roofs)
-    costed["op"] = costed["op"].fillna("(not matched)")
+    matched_rows = costed["matched"].astype(bool)
+    launched = costed["op"].where(costed["op"].notna() & (costed["op"].astype(str) != ""), None)
+    # a bundled kernel launched without an aten op around it (the lean eager launch) is named by its kernel alone
+    costed["op"] = launched.where(~matched_rows | launched.notna(), "(no aten op)").fillna("(not matched)")
     total = float(costed["dur_us"].sum())
     grouped = costed.groupby(["op", "name"], sort=False, dropna=False).agg(
         count=("dur_us", "size"), us=("dur_us", "sum"), bytes=("bytes", lambda s: s.sum(min_count=1)),
         flops=("flops", lambda s: s.sum(min_count=1)), bound=("bound", lambda s: s.mode().iat[0] if len(s) else ""),
         module=("module", lambda s: _common_module(s)),
+        dtype=("dtype", lambda s: s.dropna().mode().iat[0] if s.notna().any() else None),
     )  # fmt: skip
     grouped = grouped.sort_values("us", ascending=False).reset_index()
     copy_gbps = float(roofs["copy_gbps"]) if roofs and roofs.get("copy_gbps") else None
-    peaks = _peaks(roofs)
     rows = []
     for rec in grouped.to_dict("records"):
         seconds = rec["us"] / 1e6
         gbps = rec["bytes"] / seconds / 1e9 if seconds and pd.notna(rec["bytes"]) else None
         tflops = rec["flops"] / seconds / 1e12 if seconds and pd.notna(rec["flops"]) else None
+        peaks = _peak(roofs, rec["dtype"])
         rows.append({
             "op": rec["op"], "kernel": rec["name"], "module": rec["module"], "count": int(rec["count"]),
             "us": float(rec["us"]), "share": float(rec["us"]) / total if total else None,
@@ -183,13 +187,11 @@ def _common_module(modules: pd.Series) -> str:
     return str(patterns.mode().iat[0]) if len(patterns) else ""
 
 
-def _peaks(roofs: dict | None) -> float | None:
-    """The bf16 (else fp16, else fp32) peak TFLOP/s: decode GEMMs run in the model's half dtype."""
+def _peak(roofs: dict | None, dtype: str | None) -> float | None:
+    """The peak TFLOP/s of the kernels' dtype (the fp32 one for integer or unknown dtypes), as `classify` takes it."""
     tflops = (roofs or {}).get("tflops") or {}
-    for key in ("bfloat16", "float16", "float32"):
-        if tflops.get(key):
-            return float(tflops[key])
-    return None
+    value = tflops.get(dtype or "") or tflops.get("float32")
+    return float(value) if value else None
 
 
 def replay_profile(replay: Callable[[], Any], eager: Callable[[], Any] | None, model: Any,
