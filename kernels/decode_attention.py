@@ -29,14 +29,13 @@ partial (max -inf, sum 0). With SPLITS = 1 the first kernel normalises and write
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
-from fusionscope.kernels.dispatch import Tunables, cdiv, launchable, pow2, run
+from fusionscope.kernels.dispatch import Tunables, cdiv, launchable, pow2, run, sm_count
 from fusionscope.kernels.rounding import round_to
 from torch.library import triton_op
 from triton.runtime.interpreter import InterpretedFunction
@@ -234,17 +233,6 @@ def _decode_attention_combine_kernel(
 _INTERPRETED = isinstance(_decode_attention_kernel, InterpretedFunction)
 
 
-@functools.cache
-def _sm_count_of(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@torch.compiler.assume_constant_result
-def _sm_count(device: int) -> int:
-    """The GPU's SM count; a constant to torch.compile, which traces `schedule` in the public function."""
-    return _sm_count_of(device)
-
-
 class Schedule(NamedTuple):
     """One call's launch: head block, tile and split sizes, all from the shape and the device (never from `length`),
     so that every call of a shape launches the same grid and a CUDA graph can capture it."""
@@ -270,7 +258,7 @@ def schedule(batch: int, heads: int, kv_heads: int, s_max: int, device: torch.de
     splits = int(SCHEDULE["splits"])
     if splits <= 0:
         programs = batch * kv_heads * head_blocks
-        sms = _sm_count(device.index or 0) if device.type == "cuda" else 1
+        sms = sm_count(device.index or 0) if device.type == "cuda" else 1
         splits = 1
         if programs < sms and s_max > int(SCHEDULE["single_split_up_to"]):
             wanted = cdiv(int(SCHEDULE["programs_per_sm"]) * sms, programs)

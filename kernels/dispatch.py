@@ -44,6 +44,7 @@ the public function and passed in as an argument.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import threading
@@ -328,6 +329,18 @@ def new_output(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Te
 def cdiv(a: int, b: int) -> int:
     """`triton.cdiv` for the host side: triton's is a `constexpr_function`, ~3 µs a call outside a kernel."""
     return -(-a // b)
+
+
+@functools.cache
+def _sm_count_of(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@torch.compiler.assume_constant_result
+def sm_count(device: int) -> int:
+    """The GPU's SM count, which the split schedules size their grids by; a constant to torch.compile, which traces
+    a kernel's schedule inside its public function."""
+    return _sm_count_of(device)
 
 
 def pow2(n: int) -> int:

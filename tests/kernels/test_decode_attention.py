@@ -222,7 +222,7 @@ def test_short_caches_split_when_the_kv_heads_leave_most_sms_idle(monkeypatch: p
     batch 16 splits it less, batch 64 (512 programs) not at all; a split is a whole number of BLOCK_N rows."""
     import sys
 
-    monkeypatch.setattr(sys.modules[schedule.__module__], "_sm_count", lambda index: 132)
+    monkeypatch.setattr(sys.modules[schedule.__module__], "sm_count", lambda index: 132)
     gpu = torch.device("cuda", 0)
     one, sixteen, many = (schedule(b, 32, 8, 579, gpu) for b in (1, 16, 64))
     assert one.splits > sixteen.splits > many.splits == 1
