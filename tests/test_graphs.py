@@ -144,3 +144,41 @@ def test_graphs_only_without_graphs_is_one_line(tmp_path) -> None:
     result = CliRunner().invoke(app, ["apply", "--graphs-only", "--out", str(tmp_path / "x")])
     assert result.exit_code == 2 and "--graphs-only" in result.output and "Traceback" not in result.output
     assert not (tmp_path / "x").exists()
+
+
+def gemma2_tiny(window: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    from fusionscope import models
+    from fusionscope.models import ModelSpec
+
+    config = {**models.PRESETS["gemma-2-2b"], "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "num_key_value_heads": 1, "head_dim": 32, "intermediate_size": 96, "vocab_size": 300,
+              "sliding_window": window}  # fmt: skip
+    workload = build_workload(ModelSpec(name="gemma2-tiny", source="config", config=config), torch.device("cpu"),
+                              torch.float32, prompt_len=12, decode_steps=6)  # fmt: skip
+    return workload.module, workload.inputs[0]
+
+
+@pytest.mark.parametrize("window", [64, 8])
+def test_a_sliding_window_cache_starts_over_at_every_prefill(window: int) -> None:
+    """Gemma-2's StaticSlidingWindowLayer keeps a Python int twin of its write counter that picks its branch: a
+    decoder prefilled a second time (as every variant is: once when built, again when checked) must reset it with
+    the device counter, or every later step writes and reads the wrong rows."""
+    model, ids = gemma2_tiny(window)
+    ref = numerics.reference(model, ids, 6)
+    with graphs.built(lambda: graphs.StaticDecoder(model, ids, 6), capture=False) as (decoder, _):
+        assert any(getattr(layer, "is_sliding", False) for layer in decoder.cache.layers)
+        forced, own = graphs.teacher_forced(decoder, ref)
+    fig = numerics.compare(forced, graphs.last_position(ref))
+    assert fig["max_abs"] < 1e-4 and torch.equal(own, ref.tokens)
+
+
+def test_a_graph_that_would_roll_a_sliding_window_is_refused_with_its_reason() -> None:
+    model, ids = gemma2_tiny(8)
+    decoder = graphs.StaticDecoder(model, ids, 6)
+    decoder.prefill()
+    assert "sliding-window" in graphs.window_overrun(decoder.cache, 18)
+    assert graphs.window_overrun(decoder.cache, 8) == ""
+    model, ids = gemma2_tiny(64)
+    decoder = graphs.StaticDecoder(model, ids, 6)
+    decoder.prefill()
+    assert graphs.window_overrun(decoder.cache, 18) == ""

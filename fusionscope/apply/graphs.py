@@ -52,18 +52,46 @@ def static_cache(model: nn.Module, max_len: int) -> Any:
     return StaticCache(config=model.config, max_cache_len=max_len)
 
 
-def cache_state(cache: Any) -> list[dict[str, torch.Tensor]]:
-    """Copies of every small tensor (≤ 1 element: write counters) each cache layer holds."""
-    layers = getattr(cache, "layers", [])
-    return [{k: v.clone() for k, v in vars(layer).items() if isinstance(v, torch.Tensor) and v.numel() <= 1}
-            for layer in layers]  # fmt: skip
+def _is_counter(name: str, value: object) -> bool:
+    """A cache layer's write counter: a ≤ 1-element tensor (`cumulative_length`), or the Python int twin of one that
+    transformers' `StaticSlidingWindowLayer` keeps to pick its branch (`cumulative_length_int`)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() <= 1
+    return type(value) is int and name.startswith("cumulative")
 
 
-def restore_state(cache: Any, state: list[dict[str, torch.Tensor]]) -> None:
-    """Put the counters `cache_state` copied back, in place (a captured graph holds their addresses)."""
+def cache_state(cache: Any) -> list[dict[str, Any]]:
+    """Copies of every write counter (`_is_counter`) each cache layer holds."""
+    return [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in vars(layer).items() if _is_counter(k, v)}
+            for layer in getattr(cache, "layers", [])]  # fmt: skip
+
+
+def restore_state(cache: Any, state: list[dict[str, Any]]) -> None:
+    """Put the counters `cache_state` copied back: tensors in place (a captured graph holds their addresses), ints
+    by assignment."""
     for layer, saved in zip(getattr(cache, "layers", []), state):
         for name, value in saved.items():
-            getattr(layer, name).copy_(value)
+            if isinstance(value, torch.Tensor):
+                getattr(layer, name).copy_(value)
+            else:
+                setattr(layer, name, value)
+
+
+def zeroed(state: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`state` with every counter at zero: an empty cache."""
+    return [{k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in s.items()} for s in state]
+
+
+def window_overrun(cache: Any, positions: int) -> str:
+    """Why a graph of this cache would compute the wrong thing over `positions` rows ('' when it would not): a
+    sliding-window layer picks between writing in place and rolling its rows by a Python int at call time, so a
+    captured step keeps the branch it took at capture, right only while the sequence fits the window."""
+    for layer in getattr(cache, "layers", []):
+        window = getattr(layer, "max_cache_len", None) if getattr(layer, "is_sliding", False) else None
+        if window is not None and positions > window:
+            return (f"a sliding-window cache layer ({window} rows) would roll past its window within {positions} "
+                    "positions, a branch a captured step cannot take")  # fmt: skip
+    return ""
 
 
 class StaticDecoder:
@@ -76,6 +104,7 @@ class StaticDecoder:
         self.model, self.ids = model, ids
         self.forward = forward or model
         self.names = _forward_kwargs(model)
+        self.steps = decode_steps
         self.cache = static_cache(model, ids.shape[1] + decode_steps + WARMUP_CALLS + 1)
         batch, device = ids.shape[0], ids.device
         self.token = torch.zeros((batch, 1), dtype=torch.long, device=device)
@@ -96,7 +125,7 @@ class StaticDecoder:
         seq = self.ids.shape[1]
         # the cache's tensors are made inside inference mode (its first write), so they are changed only there
         with torch.inference_mode():
-            restore_state(self.cache, [{k: torch.zeros_like(v) for k, v in s.items()} for s in cache_state(self.cache)])
+            restore_state(self.cache, zeroed(cache_state(self.cache)))
             last = self._call(self.ids, torch.arange(seq, device=self.ids.device), self.model).float()
             self.token.copy_(last.argmax(-1, keepdim=True))
             self.position.fill_(seq)
@@ -113,6 +142,9 @@ class StaticDecoder:
     def capture(self) -> None:
         """Warm up on a side stream and capture one step; the cache's counters and `position` are put back to where
         the prefill left them (see the module docstring)."""
+        overrun = window_overrun(self.cache, self.ids.shape[1] + self.steps)
+        if overrun:
+            raise RuntimeError(overrun)
         with torch.inference_mode():
             state = cache_state(self.cache)
         position, token = self.position.clone(), self.token.clone()
