@@ -35,29 +35,55 @@ row i is input 8·i + j) and AWQ (N-packed in the order 0, 2, 4, 6, 1, 3, 5, 7) 
 and `from_awq`, once, at load or patch time.
 
 ## Dequantising in registers
-Per plane: `(packed >> 4·j) & 0xF | 0x4B000000` read as fp32 is 2²³ + q exactly, so subtracting 2²³ + zero (computed
-once per group row) gives q − zero with one integer op and one fp32 add, where `q.to(float32)` would be an int-to-float
-conversion, which the CUDA C Programming Guide's throughput table lists at 16 per clock per SM on sm_80/sm_90 against
-128 for fp32 adds (the table, not a measurement here): at 4096 × 14336 the conversions alone would take ~14 µs on an
-H200 by that rate, twice the weight read (~7 µs). The product (q − zero) · scale is exact in fp32 (a 4-bit integer
-times a 16-bit float) and rounded once to the activations' dtype, so the fused kernel feeds the dot the very weights
-the unfused chain writes; fused and unfused differ only in the order of the fp32 accumulation.
+Tensor-core kernel, per plane: `(packed >> 4·j) & 0xF | 0x4B000000` read as fp32 is 2²³ + q exactly, so subtracting
+2²³ + zero (computed once per group row) gives q − zero with one integer op and one fp32 add, where `q.to(float32)`
+would be an int-to-float conversion, which the CUDA C Programming Guide's throughput table lists at 16 per clock per SM
+on sm_80/sm_90 against 128 for fp32 adds (the table, not a measurement here): at 4096 × 14336 the conversions alone
+would take ~14 µs on an H200 by that rate, twice the weight read (~7 µs). The product (q − zero) · scale is exact in
+fp32 (a 4-bit integer times a 16-bit float) and rounded once to the activations' dtype, so the tensor-core kernel feeds
+the dot the very weights the unfused chain writes: the two differ only in the order of the fp32 accumulation.
+GEMV kernel: no shift for nibbles 0–3 — the nibble at bits 4i..4i+3 OR-ed with the exponent of 2^(23 − 4i) reads as
+2^(23 − 4i) + q, its lowest bit worth 1 — and one shift of the word by 16 for nibbles 4–7: one AND-OR per weight
+(ptxas makes it one LOP3), one fp32 subtract of 2^(23 − 4i) + zero, then one FMA per row of x. The scale multiplies
+each group's fp32 sum of x·(q − zero) once per column, never a weight, so no weight is rounded: the GEMV is at least as
+close to the float64 answer as the unfused chain (tests check it) but not bit-comparable to it.
 
-## Two schedules (`TILES`, fixed per regime: no autotuning, nothing at call time that a CUDA graph could not capture)
-- decode (M ≤ 16): one 16-row tile, narrow column tiles, and split-K over the 128-blocks of K so that the programs
-  outnumber the SMs (`FILL`): at K × N = 4096 × 4096 a 64-column tile gives 64 tiles, too few for 132 SMs, so K is
-  split in 8 (512 programs); 14336 × 4096 is split in 8 too, 4096 × 14336 (224 tiles) in 2. The splits write fp32
-  partial sums to a workspace the public function allocates with the output ((splits, M, N) fp32, the same size every
-  call of a shape), and a second launch adds them in a fixed order (deterministic), adds the bias and rounds once.
-- prefill (M > 16): 64- or 128-row tiles on the tensor cores, the dequantised plane going straight into `tl.dot` inside
-  the K loop, grouped tile order for L2 reuse of the weight.
-The tile sizes are the fastest of `reports/w4a16/gpu_w4a16.py tune` on an H200 (reports/w4a16/README.md), for decode
-and for M = 4096; the 17–256-row tiles have not been measured.
+## Schedules (`TILES`, fixed per range of M: no autotuning, nothing at call time that a CUDA graph could not capture)
+At decode sizes a call is a weight-streaming problem; what limits a kernel is bytes in flight and instructions per
+weight, not FLOPs. The schedule measured on the H200 on 2026-12-01 (`SHIPPED_BEFORE`: 16-row MMA tiles, 64 columns, 8
+dots with K = 16 per 128-block) read at 25–37% of the copy bandwidth at M = 1–16 whatever its tiles: for one row the
+MMA does 16× the needed work and each plane's operand goes through a layout conversion.
+- gemv (M ≤ 4, `_w4a16_gemv_kernel`): CUDA cores, no tl.dot. A program owns BLOCK_N columns (256: each of the 16 rows
+  of a block's slab is a 1 KiB contiguous run of `qweight`) and a range of 128-blocks along K; it keeps one (16,
+  BLOCK_N) fp32 accumulator per row of x (BLOCK_M ≤ 4 rows per program, each weight dequantised once for all of
+  them) and sums the 16 slab rows only at the end, so nothing in the loop leaves the slab's register layout.
+  PREFETCH loads block b + 1 before working on block b (Triton's pipeliner only stages loads that feed a dot; the
+  bytes in flight come from this, from the resident programs and from BLOCK_K's blocks per step). Split-K as below.
+  Compiled for sm_90 here (Triton 3.9, ptxas, no GPU): 128 registers at M = 1 and 254 at M = 4 with 8 warps, no
+  spills; per weight at M = 1 one FFMA, one LOP3 and about one FADD, and in all 5.7–7.8 SASS instructions per weight
+  for 512–256 columns (the whole kernel's count over one step's weights, prologue included; the rest is x loads,
+  their bf16 → fp32 and addressing, shared by BLOCK_N / 32 columns per thread). At 132 SMs issuing 128 per clock at
+  1.98 GHz that is 10–14 µs for 4096 × 14336 against ~7 µs for its 30.8 MB at 4.4 TB/s: issue, not bandwidth, may
+  be the limit at M = 1, more so at M = 4 (one FFMA per row); the sweep measures it.
+- decode (5 ≤ M ≤ 16) and prefill (M > 16, `_w4a16_mma_kernel`): tensor cores, the dequantisation inside the K loop.
+  UNPACK "tile" unpacks a whole (16·BLOCK_K/128, BLOCK_N) slab at once: viewed as (blocks, 1, 16, BLOCK_N) and
+  shifted by the 8 nibble offsets it is (blocks, 8, 16, BLOCK_N), whose first three dims merge into BLOCK_K inputs in
+  their natural order (input 128·b + 16·j + r), so each step is one dot with K = BLOCK_K ≥ 128 against a contiguous
+  x tile, and Triton pipelines both loads (cp.async, num_stages buffers) into one wgmma per step (sm_90 TTGIR: no
+  layout conversion in the loop). Its known cost: each thread holds one column's consecutive inputs while the
+  operand's shared layout is N-major, so the dequantised tile is stored with one 2-byte store per weight. UNPACK
+  "planes" is the schedule measured before (8 dots of K = 16 per block). Grouped tile order (GROUP_M) for L2 reuse.
+- split-K (both kernels): SPLIT_K = 0 splits K in the smallest power of two giving `FILL` programs per SM (at most
+  max_split); the splits write fp32 partial sums to a workspace the public function allocates with the output
+  ((splits, M, N) fp32, the same size every call of a shape), and a second launch adds them in a fixed order
+  (deterministic), adds the bias and rounds once.
+The shipped tiles are first choices checked in the interpreter and compiled for sm_90 (registers, spills, shared
+memory), **not yet measured on a GPU**: `reports/w4a16/gpu_w4a16.py sweep` times them against `SHIPPED_BEFORE`, bf16
+cuBLAS and the other candidates (reports/w4a16/README.md).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from typing import NamedTuple
@@ -66,7 +92,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from fusionscope.kernels.dispatch import Tunables, cdiv, launchable, pow2, run
+from fusionscope.kernels.dispatch import Tunables, cdiv, launchable, pow2, run, sm_count
 from fusionscope.kernels.rounding import round_to
 from torch.library import triton_op
 
@@ -255,7 +281,116 @@ def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) 
 
 
 @triton.jit
-def _w4a16_kernel(
+def _x_times(x_ptr, row, M, stride_xm, stride_xk, rk, k_end, w):
+    """x[row, rk] (masked to 0 past M and k_end) as fp32, times w (16, BLOCK_N) row by row: one FMA per weight."""
+    end = tl.where(row < M, k_end, 0)  # a row past M reads nothing
+    xj = tl.load(x_ptr + row.to(tl.int64) * stride_xm + rk * stride_xk, mask=rk < end, other=0.0)
+    return xj.to(tl.float32)[:, None] * w
+
+
+@triton.jit
+def _store_row(out_ptr, row, M, N, rn, stride_om, stride_on, acc, b_ptr, stride_b, HAS_BIAS: tl.constexpr,
+               UPCAST: tl.constexpr, PARTIAL: tl.constexpr):  # fmt: skip
+    """One row's (16, BLOCK_N) sums reduced over the slab rows and stored: as fp32 partial sums (PARTIAL), or + bias,
+    rounded once to the output's dtype."""
+    total = tl.sum(acc, axis=0)
+    end = tl.where(row < M, N, 0)  # a row past M writes nothing
+    offsets = row.to(tl.int64) * stride_om + rn * stride_on
+    if PARTIAL:
+        tl.store(out_ptr + offsets, total, mask=rn < end)
+    else:
+        if HAS_BIAS:
+            total += tl.load(b_ptr + rn * stride_b, mask=rn < N, other=0.0).to(tl.float32)
+        if UPCAST:  # the interpreter truncates fp32 → bf16: round to nearest by hand (`rounding`)
+            total = round_to(total, out_ptr.dtype.element_ty)
+        tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=rn < end)
+
+
+@triton.jit
+def _gemv_block(
+    slab,  # (16, BLOCK_N) int32: block b of `qweight`, its 8 planes of 16 consecutive inputs
+    b,
+    x_ptr,
+    s_ptr,
+    z_ptr,
+    row0,
+    M,
+    K,
+    k_end,
+    rn,
+    n_ok,
+    stride_xm,
+    stride_xk,
+    stride_sg,
+    stride_sn,
+    stride_zg,
+    stride_zn,
+    acc0,
+    acc1,
+    acc2,
+    acc3,
+    s,  # GROUP == 0: the scales of the one group, as fp32; otherwise unused (loaded here)
+    zf,  # GROUP == 0: the zeros, as fp32; otherwise unused
+    GROUP: tl.constexpr,
+    PLANES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Add one 128-block's products to the per-row (16, BLOCK_N) accumulators; returns them."""
+    rr = tl.arange(0, 16)
+    high = slab >> 16  # nibbles 4-7 at bits 0-15 (the sign bits above are masked off)
+    for j in tl.static_range(8):
+        k0 = b * 128 + 16 * j  # first input of this plane
+        if GROUP != 0:  # noqa: SIM102 (both tests are compile-time)
+            if j % PLANES == 0:  # a group starts here (or, for GROUP > 128, this block's part of one)
+                g = min(k0, K - 1) // GROUP  # a plane past K (x masked to 0 there) reads the last group
+                s = tl.load(s_ptr + g * stride_sg + rn * stride_sn, mask=n_ok, other=0.0).to(tl.float32)
+                zf = tl.load(z_ptr + g * stride_zg + rn * stride_zn, mask=n_ok, other=0).to(tl.float32)
+        # The nibble at bits 4i..4i+3 of a word OR-ed with the exponent of 2**(23 - 4i) reads as the fp32
+        # 2**(23 - 4i) + q: its lowest bit is worth 1 there. Subtracting 2**(23 - 4i) + zero gives q − zero.
+        word = slab if j < 4 else high
+        bits = (word & (0xF << (4 * (j % 4)))) | ((150 - 4 * (j % 4)) << 23)
+        w = bits.to(tl.float32, bitcast=True) - (zf + (1 << (23 - 4 * (j % 4))))[None, :]  # q − zero, exact
+        rk = k0 + rr
+        p0 = _x_times(x_ptr, row0, M, stride_xm, stride_xk, rk, k_end, w)
+        if BLOCK_M > 1:
+            p1 = _x_times(x_ptr, row0 + 1, M, stride_xm, stride_xk, rk, k_end, w)
+        if BLOCK_M > 2:
+            p2 = _x_times(x_ptr, row0 + 2, M, stride_xm, stride_xk, rk, k_end, w)
+            p3 = _x_times(x_ptr, row0 + 3, M, stride_xm, stride_xk, rk, k_end, w)
+        if GROUP == 0:
+            acc0 += p0
+            if BLOCK_M > 1:
+                acc1 += p1
+            if BLOCK_M > 2:
+                acc2 += p2
+                acc3 += p3
+        else:
+            if j % PLANES == 0:
+                part0 = p0
+                if BLOCK_M > 1:
+                    part1 = p1
+                if BLOCK_M > 2:
+                    part2 = p2
+                    part3 = p3
+            else:
+                part0 += p0
+                if BLOCK_M > 1:
+                    part1 += p1
+                if BLOCK_M > 2:
+                    part2 += p2
+                    part3 += p3
+            if (j + 1) % PLANES == 0:  # the group (or this block's part of it) ends: scale once
+                acc0 += part0 * s[None, :]
+                if BLOCK_M > 1:
+                    acc1 += part1 * s[None, :]
+                if BLOCK_M > 2:
+                    acc2 += part2 * s[None, :]
+                    acc3 += part3 * s[None, :]
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _w4a16_gemv_kernel(
     x_ptr,  # (M, K) activations; strides stride_xm, stride_xk
     qw_ptr,  # (16·⌈K/128⌉, N) int32 packed weights; strides stride_qk, stride_qn
     s_ptr,  # (G, N) scales in x's dtype; strides stride_sg, stride_sn
@@ -279,6 +414,110 @@ def _w4a16_kernel(
     stride_on,
     blocks_per_split,  # 128-input blocks of K each program along axis 1 handles (a multiple of SUBBLOCKS)
     GROUP: tl.constexpr,  # group size (a power of two ≥ 16); 0: one group per output channel
+    PLANES: tl.constexpr,  # nibble planes (16 inputs each) per scale application: min(GROUP, 128) / 16
+    HAS_BIAS: tl.constexpr,
+    PARTIAL: tl.constexpr,  # write fp32 partial sums of one split (the sum kernel finishes)
+    UPCAST: tl.constexpr,  # interpreter: round the output to bf16 by hand
+    BLOCK_M: tl.constexpr,  # rows of x per program, 1, 2 or 4 (each weight dequantised once, used BLOCK_M times)
+    BLOCK_N: tl.constexpr,
+    SUBBLOCKS: tl.constexpr,  # 128-blocks per loop step: BLOCK_K / 128 (their loads issued together)
+    PREFETCH: tl.constexpr,  # load block b + 1 before working on block b (one block per step)
+):
+    # CUDA-core GEMV: the (16, BLOCK_N) int32 slab of a 128-block is 16 contiguous runs of 4·BLOCK_N bytes; each word
+    # gives 8 weights by one AND-OR each (no shift for nibbles 0-3, one shift of the word for 4-7), one fp32 subtract
+    # of the zero, and one FMA per row of x. The scale multiplies a group's fp32 sum once per group and column. Every
+    # tensor in the loop is (16, BLOCK_N) or a slice of it, in the slab's layout: no layout conversion, and the sum over
+    # the slab's 16 rows waits until the end (no shuffles in the loop). Rows of x are separate accumulators (a 3-D
+    # (rows, 16, BLOCK_N) product made Triton convert the slab's layout through shared memory at every plane).
+    # Triton does not pipeline loads that feed no dot (num_stages changes nothing here): the bytes in flight come from
+    # the resident programs, the SUBBLOCKS slabs a step loads together, and PREFETCH.
+    row0 = tl.program_id(2) * BLOCK_M
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rr = tl.arange(0, 16)
+    n_ok = rn < N
+    qw_cols = qw_ptr + rn[None, :] * stride_qn  # (1, BLOCK_N)
+
+    first = tl.program_id(1) * blocks_per_split
+    last = min(first + blocks_per_split, tl.cdiv(K, 128))
+    k_end = min(last * 128, K)  # this split's inputs end here
+    if GROUP == 0:  # one group: its scales and zeros once, for the whole of K
+        s = tl.load(s_ptr + rn * stride_sn, mask=n_ok, other=0.0).to(tl.float32)
+        zf = tl.load(z_ptr + rn * stride_zn, mask=n_ok, other=0).to(tl.float32)
+    else:  # loaded per group inside `_gemv_block`
+        s = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        zf = s
+    acc0 = tl.zeros((16, BLOCK_N), dtype=tl.float32)  # (row of the slab, column), one per row of x
+    acc1 = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    acc3 = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    if PREFETCH:
+        rows = first * 16 + rr
+        ahead = tl.load(qw_cols + rows[:, None].to(tl.int64) * stride_qk, mask=(rows < last * 16)[:, None] &
+                        n_ok[None, :], other=0)  # fmt: skip
+        for b in range(first, last):
+            slab = ahead
+            rows = (b + 1) * 16 + rr  # past the split's end: masked, no memory traffic
+            ahead = tl.load(qw_cols + rows[:, None].to(tl.int64) * stride_qk, mask=(rows < last * 16)[:, None] &
+                            n_ok[None, :], other=0)  # fmt: skip
+            acc0, acc1, acc2, acc3 = _gemv_block(slab, b, x_ptr, s_ptr, z_ptr, row0, M, K, k_end, rn, n_ok,
+                                                 stride_xm, stride_xk, stride_sg, stride_sn, stride_zg, stride_zn,
+                                                 acc0, acc1, acc2, acc3, s, zf, GROUP, PLANES, BLOCK_M)  # fmt: skip
+    else:
+        for step in range(first, last, SUBBLOCKS):
+            for c in tl.static_range(SUBBLOCKS):
+                b = step + c  # the last step of a split may hold fewer blocks than SUBBLOCKS: masked by `last`
+                rows = b * 16 + rr
+                slab = tl.load(
+                    qw_cols + rows[:, None].to(tl.int64) * stride_qk,
+                    mask=(rows < last * 16)[:, None] & n_ok[None, :],
+                    other=0,
+                )  # (16, BLOCK_N) int32: 8 planes of 16 consecutive inputs
+                acc0, acc1, acc2, acc3 = _gemv_block(slab, b, x_ptr, s_ptr, z_ptr, row0, M, K, k_end, rn, n_ok,
+                                                     stride_xm, stride_xk, stride_sg, stride_sn, stride_zg,
+                                                     stride_zn, acc0, acc1, acc2, acc3, s, zf, GROUP, PLANES,
+                                                     BLOCK_M)  # fmt: skip
+
+    if GROUP == 0:  # the one scale per column, applied once
+        acc0 = acc0 * s[None, :]
+        acc1 = acc1 * s[None, :]
+        acc2 = acc2 * s[None, :]
+        acc3 = acc3 * s[None, :]
+    if PARTIAL:  # fp32 partial sums of this split, rows row0.. of its (M, N) slice
+        out_ptr += tl.program_id(1).to(tl.int64) * stride_os
+    _store_row(out_ptr, row0, M, N, rn, stride_om, stride_on, acc0, b_ptr, stride_b, HAS_BIAS, UPCAST, PARTIAL)
+    if BLOCK_M > 1:
+        _store_row(out_ptr, row0 + 1, M, N, rn, stride_om, stride_on, acc1, b_ptr, stride_b, HAS_BIAS, UPCAST, PARTIAL)
+    if BLOCK_M > 2:
+        _store_row(out_ptr, row0 + 2, M, N, rn, stride_om, stride_on, acc2, b_ptr, stride_b, HAS_BIAS, UPCAST, PARTIAL)
+        _store_row(out_ptr, row0 + 3, M, N, rn, stride_om, stride_on, acc3, b_ptr, stride_b, HAS_BIAS, UPCAST, PARTIAL)
+
+
+@triton.jit
+def _w4a16_mma_kernel(
+    x_ptr,  # (M, K) activations; strides stride_xm, stride_xk
+    qw_ptr,  # (16·⌈K/128⌉, N) int32 packed weights; strides stride_qk, stride_qn
+    s_ptr,  # (G, N) scales in x's dtype; strides stride_sg, stride_sn
+    z_ptr,  # (G, N) uint8 zero points; strides stride_zg, stride_zn
+    b_ptr,  # (N,) bias, stride stride_b; read only if HAS_BIAS and not PARTIAL
+    out_ptr,  # (M, N) output; or with PARTIAL the (splits, M, N) fp32 workspace (stride_os between splits)
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_qk,
+    stride_qn,
+    stride_sg,
+    stride_sn,
+    stride_zg,
+    stride_zn,
+    stride_b,
+    stride_os,
+    stride_om,
+    stride_on,
+    blocks_per_split,  # 128-input blocks of K each program along axis 1 handles (a multiple of SUBBLOCKS)
+    GROUP: tl.constexpr,  # group size (a power of two ≥ 16); 0: one group per output channel
+    GROUPS_PER_BLOCK: tl.constexpr,  # 128 / GROUP for GROUP < 128, else 1
     HAS_BIAS: tl.constexpr,
     PARTIAL: tl.constexpr,  # write fp32 partial sums of one split (the sum kernel finishes)
     UPCAST: tl.constexpr,  # interpreter: feed tl.dot fp32 tiles (its bf16 dot is wrong)
@@ -287,6 +526,7 @@ def _w4a16_kernel(
     BLOCK_N: tl.constexpr,
     SUBBLOCKS: tl.constexpr,  # 128-blocks per loop step: BLOCK_K / 128
     GROUP_M: tl.constexpr,
+    TILE: tl.constexpr,  # True: one (BLOCK_M, BLOCK_K) × (BLOCK_K, BLOCK_N) dot per step; False: 8 per block, K = 16
 ):
     # Grouped tile order (triton tutorial 03): GROUP_M row tiles share a column tile's weights while they are in L2.
     pid = tl.program_id(0)
@@ -314,32 +554,76 @@ def _w4a16_kernel(
         s = tl.load(s_ptr + rn * stride_sn, mask=n_ok, other=0.0).to(tl.float32)
         zf = tl.load(z_ptr + rn * stride_zn, mask=n_ok, other=0).to(tl.float32) + 8388608.0
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for step in range(first, last, SUBBLOCKS):
-        for c in tl.static_range(SUBBLOCKS):
-            b = step + c  # the last step of a split may hold fewer blocks than SUBBLOCKS: masked by `last`
-            rows = b * 16 + rr
+    if TILE:
+        # The whole (16·SUBBLOCKS, BLOCK_N) slab unpacked at once: viewed as (blocks, 1, 16 rows, columns) and shifted
+        # by the 8 nibble offsets, element [c, j, r, n] is input 128·(step + c) + 16·j + r, so the (blocks, 8, 16)
+        # dims merge into BLOCK_K inputs in their natural order: one dot with K = BLOCK_K against a contiguous x tile.
+        # (The sm_90 PTX of this tile: both loads by cp.async through num_stages buffers, no layout conversion in the
+        # loop, one wgmma per step; but each thread holds one column's consecutive inputs, and the operand's shared
+        # layout is N-major, so storing the dequantised tile takes one 2-byte store per weight. Transposing the
+        # unpack did not change that.)
+        shifts = (4 * tl.arange(0, 8))[None, :, None, None]
+        rs = tl.arange(0, 16 * SUBBLOCKS)
+        rk_tile = tl.arange(0, 128 * SUBBLOCKS)
+        for step in range(first, last, SUBBLOCKS):
+            rows = step * 16 + rs
             slab = tl.load(
                 qw_cols + rows[:, None].to(tl.int64) * stride_qk,
                 mask=(rows < last * 16)[:, None] & n_ok[None, :],
                 other=0,
-            )  # (16, BLOCK_N) int32: 8 planes of 16 consecutive inputs
-            for j in tl.static_range(8):
-                k0 = b * 128 + 16 * j  # first input of this plane
-                # nested, not `and`: both tests are compile-time, and the second divides by GROUP
-                if GROUP != 0:  # noqa: SIM102
-                    if (16 * j) % GROUP == 0:  # a group starts here (GROUP ≥ 128: only at j = 0)
-                        g = min(k0, K - 1) // GROUP  # a plane past K (x masked to 0 there) reads the last group
-                        s = tl.load(s_ptr + g * stride_sg + rn * stride_sn, mask=n_ok, other=0.0).to(tl.float32)
-                        zf = tl.load(z_ptr + g * stride_zg + rn * stride_zn, mask=n_ok, other=0).to(tl.float32)
-                        zf = zf + 8388608.0
-                bits = ((slab >> (4 * j)) & 0xF) | 0x4B000000  # the fp32 2**23 + q
-                w = (bits.to(tl.float32, bitcast=True) - zf[None, :]) * s[None, :]  # exact (q − zero) · scale
-                rk = k0 + rr
-                xj = tl.load(x_rows + rk[None, :] * stride_xk, mask=m_ok[:, None] & (rk < k_end)[None, :], other=0.0)
-                if UPCAST:
-                    acc = tl.dot(xj.to(tl.float32), round_to(w, dtype), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(xj, w.to(dtype), acc, input_precision=PRECISION)
+            )  # (16·SUBBLOCKS, BLOCK_N) int32
+            q = (tl.reshape(slab, (SUBBLOCKS, 1, 16, BLOCK_N)) >> shifts) & 0xF  # (SUBBLOCKS, 8, 16, BLOCK_N)
+            f = (q | 0x4B000000).to(tl.float32, bitcast=True)  # 2**23 + q
+            f = tl.reshape(f, (SUBBLOCKS, GROUPS_PER_BLOCK, 8 // GROUPS_PER_BLOCK, 16, BLOCK_N))
+            if GROUP == 0:
+                w = (f - zf[None, None, None, None, :]) * s[None, None, None, None, :]
+            else:
+                if GROUP < 128:  # GROUPS_PER_BLOCK groups in each block
+                    g = step * GROUPS_PER_BLOCK + tl.arange(0, SUBBLOCKS * GROUPS_PER_BLOCK)
+                else:  # each block inside one group
+                    g = ((step + tl.arange(0, SUBBLOCKS)) * 128) // GROUP
+                g = tl.minimum(g, (K - 1) // GROUP)  # blocks past K (x masked to 0 there) read the last group
+                sg = tl.load(s_ptr + g[:, None] * stride_sg + rn[None, :] * stride_sn, mask=n_ok[None, :], other=0.0)
+                zg = tl.load(z_ptr + g[:, None] * stride_zg + rn[None, :] * stride_zn, mask=n_ok[None, :], other=0)
+                sg = tl.reshape(sg.to(tl.float32), (SUBBLOCKS, GROUPS_PER_BLOCK, 1, 1, BLOCK_N))
+                zg = tl.reshape(zg.to(tl.float32) + 8388608.0, (SUBBLOCKS, GROUPS_PER_BLOCK, 1, 1, BLOCK_N))
+                w = (f - zg) * sg  # exact (q − zero) · scale
+            w = tl.reshape(w, (128 * SUBBLOCKS, BLOCK_N))
+            rk = step * 128 + rk_tile
+            xt = tl.load(x_rows + rk[None, :] * stride_xk, mask=m_ok[:, None] & (rk < k_end)[None, :], other=0.0)
+            if UPCAST:
+                acc = tl.dot(xt.to(tl.float32), round_to(w, dtype), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xt, w.to(dtype), acc, input_precision=PRECISION)
+    else:
+        for step in range(first, last, SUBBLOCKS):
+            for c in tl.static_range(SUBBLOCKS):
+                b = step + c  # the last step of a split may hold fewer blocks than SUBBLOCKS: masked by `last`
+                rows = b * 16 + rr
+                slab = tl.load(
+                    qw_cols + rows[:, None].to(tl.int64) * stride_qk,
+                    mask=(rows < last * 16)[:, None] & n_ok[None, :],
+                    other=0,
+                )  # (16, BLOCK_N) int32: 8 planes of 16 consecutive inputs
+                for j in tl.static_range(8):
+                    k0 = b * 128 + 16 * j  # first input of this plane
+                    # nested, not `and`: both tests are compile-time, and the second divides by GROUP
+                    if GROUP != 0:  # noqa: SIM102
+                        if (16 * j) % GROUP == 0:  # a group starts here (GROUP ≥ 128: only at j = 0)
+                            g = min(k0, K - 1) // GROUP  # a plane past K (x masked to 0 there) reads the last group
+                            s = tl.load(s_ptr + g * stride_sg + rn * stride_sn, mask=n_ok, other=0.0).to(tl.float32)
+                            zf = tl.load(z_ptr + g * stride_zg + rn * stride_zn, mask=n_ok, other=0).to(tl.float32)
+                            zf = zf + 8388608.0
+                    bits = ((slab >> (4 * j)) & 0xF) | 0x4B000000  # the fp32 2**23 + q
+                    w = (bits.to(tl.float32, bitcast=True) - zf[None, :]) * s[None, :]  # exact (q − zero) · scale
+                    rk = k0 + rr
+                    xj = tl.load(
+                        x_rows + rk[None, :] * stride_xk, mask=m_ok[:, None] & (rk < k_end)[None, :], other=0.0
+                    )
+                    if UPCAST:
+                        acc = tl.dot(xj.to(tl.float32), round_to(w, dtype), acc, input_precision="ieee")
+                    else:
+                        acc = tl.dot(xj, w.to(dtype), acc, input_precision=PRECISION)
 
     out_mask = m_ok[:, None] & n_ok[None, :]
     offsets = rm[:, None].to(tl.int64) * stride_om + rn[None, :] * stride_on
@@ -384,24 +668,39 @@ def _split_sum_kernel(
 
 # --------------------------------------------------------------------------------------------------------- schedule
 
-# Tiles by the number of rows M: (largest M, config); the first entry whose bound M does not exceed applies. BLOCK_K is
-# a multiple of 128 (one block of `qweight`). SPLIT_K: 0 picks the split by `FILL`, n ≥ 1 forces n (capped by the
-# blocks of K). decode and large: the fastest configurations of `reports/w4a16/gpu_w4a16.py tune` on an H200
-# (2026-12-01, group 128, bf16, CUDA-graph replay medians; reports/w4a16/h200-2216/w4a16_tune.log), against the first
-# choices BLOCK_K 256 (decode) and BLOCK_N 128 (large): decode BLOCK_K 128 at M = 1 / 16 took 11.80 / 12.11 µs at
-# 4096 → 4096 (12.19 / 13.20 before), 33.86 / 35.27 at 4096 → 14336 (33.95 / 35.98), 30.25 / 31.46 at 14336 → 4096
-# (30.69 / 32.48); large BLOCK_N 256 at M = 4096 took 492 / 1798 / 1849 µs (636 / 2191 / 2076). That 128 × 256 tile
-# needs Hopper-class shared memory (it compiled within the H200's 227 KiB); small is still a first choice.
+# Tiles by the number of rows M: (largest M, config); the first entry whose bound M does not exceed applies. Keys:
+# - KERNEL: "gemv" (CUDA-core FMA, `_w4a16_gemv_kernel`) or "mma" (tensor cores, `_w4a16_mma_kernel`).
+# - BLOCK_M: rows per program (gemv: at most, the schedule takes min(BLOCK_M, next power of two ≥ M)); BLOCK_N:
+#   columns per program; BLOCK_K: inputs per loop step, a multiple of 128 (one block of `qweight`).
+# - SPLIT_K: 0 picks the split by `FILL`, n ≥ 1 forces n (capped by the loop steps along K); splits > 1 write fp32
+#   partial sums that a second launch adds in a fixed order.
+# - UNPACK (mma): "tile", one dot with K = BLOCK_K per step; "planes", 8 dots with K = 16 per 128-block (the schedule
+#   measured on the H200 on 2026-12-01). GROUP_M (mma): grouped tile order. num_warps, num_stages: Triton's.
+# These are first choices, not yet measured on a GPU (reports/w4a16/README.md): `reports/w4a16/gpu_w4a16.py sweep`
+# times them against the alternatives. SHIPPED_BEFORE is the schedule measured on 2026-12-01, kept as the sweep's
+# baseline and as a setting (`TILES.update(SHIPPED_BEFORE)` restores it).
 TILES = Tunables(
-    decode=(16, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 0, "GROUP_M": 1, "num_warps": 4,
-                 "num_stages": 3}),
-    small=(256, {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1, "GROUP_M": 8, "num_warps": 4,
-                 "num_stages": 3}),
-    large=(None, {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "SPLIT_K": 1, "GROUP_M": 8, "num_warps": 8,
-                  "num_stages": 3}),
+    gemv=(4, {"KERNEL": "gemv", "BLOCK_M": 4, "BLOCK_N": 256, "BLOCK_K": 128, "SPLIT_K": 0, "num_warps": 8,
+              "num_stages": 1, "PREFETCH": True}),
+    decode=(16, {"KERNEL": "mma", "UNPACK": "tile", "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 0,
+                 "GROUP_M": 1, "num_warps": 4, "num_stages": 4}),
+    small=(256, {"KERNEL": "mma", "UNPACK": "tile", "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1,
+                 "GROUP_M": 8, "num_warps": 8, "num_stages": 3}),
+    large=(None, {"KERNEL": "mma", "UNPACK": "tile", "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "SPLIT_K": 1,
+                  "GROUP_M": 8, "num_warps": 8, "num_stages": 2}),
 )  # fmt: skip
+SHIPPED_BEFORE = {
+    "gemv": (0, {"KERNEL": "gemv", "BLOCK_M": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 0, "num_warps": 4,
+                 "num_stages": 1}),  # bound 0: never chosen
+    "decode": (16, {"KERNEL": "mma", "UNPACK": "planes", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 0,
+                    "GROUP_M": 1, "num_warps": 4, "num_stages": 3}),
+    "small": (256, {"KERNEL": "mma", "UNPACK": "planes", "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1,
+                    "GROUP_M": 8, "num_warps": 4, "num_stages": 3}),
+    "large": (None, {"KERNEL": "mma", "UNPACK": "planes", "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128,
+                     "SPLIT_K": 1, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}),
+}  # fmt: skip
 # SPLIT_K = 0: the smallest power-of-two split giving at least programs_per_sm programs per SM, at most max_split.
-FILL = Tunables(programs_per_sm=2, max_split=16)
+FILL = Tunables(programs_per_sm=2, max_split=32)
 # Under the Triton interpreter (CPU tensors) a program costs per operation, not per element, so tiles there are as
 # wide as numpy handles well: one SmolLM2-135M projection (16 × 576 → 1536, bf16) took 3.9 s with the decode tiles
 # and 0.2 s with 2048 columns (2-core CPU, 2026-12-02). The block schedule along K is the GPU's.
@@ -409,7 +708,7 @@ INTERPRETER = Tunables(enabled=True, BLOCK_M=64, BLOCK_N=2048)
 SUM_BLOCK = 1024  # elements per program of the split sum
 
 
-def tiles_for(M: int) -> dict[str, int]:
+def tiles_for(M: int) -> dict[str, int | str]:
     """The tile configuration of `TILES` for M rows."""
     for bound, config in TILES.values():
         if bound is None or bound >= M:
@@ -417,21 +716,10 @@ def tiles_for(M: int) -> dict[str, int]:
     raise ValueError("TILES needs a last entry without a bound")
 
 
-@functools.cache
-def _sm_count_of(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@torch.compiler.assume_constant_result
-def _sm_count(device: int) -> int:
-    """The GPU's SM count; a constant to torch.compile, which traces `schedule` in the public function."""
-    return _sm_count_of(device)
-
-
 class Schedule(NamedTuple):
     """How one call is launched: the tiles, how many splits of K, and the 128-blocks each split handles."""
 
-    tiles: dict[str, int]
+    tiles: dict[str, int | str]
     splits: int
     blocks_per_split: int
 
@@ -440,15 +728,20 @@ def schedule(M: int, N: int, K: int, device: torch.device) -> Schedule:
     """The launch of an (M, K) × (K, N) call: a function of the shape and the device only (the public function
     allocates the split-K workspace from it, the launcher launches from it)."""
     tiles = tiles_for(M)
+    if tiles.get("KERNEL", "mma") == "gemv":  # no padded rows: M = 1 runs one row per program
+        if tiles["BLOCK_M"] not in (1, 2, 4):
+            raise ValueError(f"the gemv kernel takes BLOCK_M 1, 2 or 4 rows per program, got {tiles['BLOCK_M']}")
+        tiles = dict(tiles, BLOCK_M=min(int(tiles["BLOCK_M"]), pow2(M)))
     if device.type != "cuda" and INTERPRETER["enabled"]:
-        tiles = dict(tiles, BLOCK_M=max(tiles["BLOCK_M"], min(pow2(M), INTERPRETER["BLOCK_M"])),
-                     BLOCK_N=max(tiles["BLOCK_N"], min(pow2(N), INTERPRETER["BLOCK_N"])))  # fmt: skip
-    sub = tiles["BLOCK_K"] // BLOCK
+        if tiles.get("KERNEL", "mma") != "gemv":
+            tiles = dict(tiles, BLOCK_M=max(tiles["BLOCK_M"], min(pow2(M), INTERPRETER["BLOCK_M"])))
+        tiles = dict(tiles, BLOCK_N=max(tiles["BLOCK_N"], min(pow2(N), INTERPRETER["BLOCK_N"])))
+    sub = int(tiles["BLOCK_K"]) // BLOCK
     steps = cdiv(cdiv(K, BLOCK), sub)  # loop steps over all of K
     split = int(tiles["SPLIT_K"])
     if split <= 0:
         programs = cdiv(M, tiles["BLOCK_M"]) * cdiv(N, tiles["BLOCK_N"])
-        target = FILL["programs_per_sm"] * (_sm_count(device.index or 0) if device.type == "cuda" else 1)
+        target = FILL["programs_per_sm"] * (sm_count(device.index or 0) if device.type == "cuda" else 1)
         split = 1
         while programs * split < target and split * 2 <= min(steps, FILL["max_split"]):
             split *= 2
@@ -473,8 +766,8 @@ def _launch(
     partial = workspace is not None
     target = workspace if partial else out
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    grid = (cdiv(M, tiles["BLOCK_M"]) * cdiv(N, tiles["BLOCK_N"]), plan.splits)
-    launchable(_w4a16_kernel)[grid](
+    group = 0 if group_count(K, group_size) == 1 else group_size
+    args = (
         x,
         qweight,
         scales,
@@ -497,18 +790,41 @@ def _launch(
         target.stride(-2),
         target.stride(-1),
         plan.blocks_per_split,
-        GROUP=0 if group_count(K, group_size) == 1 else group_size,
-        HAS_BIAS=bias is not None,
-        PARTIAL=partial,
-        UPCAST=interpreted,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=tiles["BLOCK_M"],
-        BLOCK_N=tiles["BLOCK_N"],
-        SUBBLOCKS=tiles["BLOCK_K"] // BLOCK,
-        GROUP_M=tiles["GROUP_M"],
-        num_warps=tiles["num_warps"],
-        num_stages=tiles["num_stages"],
     )
+    if tiles.get("KERNEL", "mma") == "gemv":
+        grid = (cdiv(N, tiles["BLOCK_N"]), plan.splits, cdiv(M, tiles["BLOCK_M"]))
+        launchable(_w4a16_gemv_kernel)[grid](
+            *args,
+            GROUP=group,
+            PLANES=min(group, BLOCK) // 16 if group else NIBBLES,
+            HAS_BIAS=bias is not None,
+            PARTIAL=partial,
+            UPCAST=interpreted,
+            BLOCK_M=tiles["BLOCK_M"],
+            BLOCK_N=tiles["BLOCK_N"],
+            SUBBLOCKS=tiles["BLOCK_K"] // BLOCK,
+            PREFETCH=bool(tiles.get("PREFETCH", False)),
+            num_warps=tiles["num_warps"],
+            num_stages=tiles["num_stages"],
+        )
+    else:
+        grid = (cdiv(M, tiles["BLOCK_M"]) * cdiv(N, tiles["BLOCK_N"]), plan.splits)
+        launchable(_w4a16_mma_kernel)[grid](
+            *args,
+            GROUP=group,
+            GROUPS_PER_BLOCK=BLOCK // group if 0 < group < BLOCK else 1,
+            HAS_BIAS=bias is not None,
+            PARTIAL=partial,
+            UPCAST=interpreted,
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            BLOCK_M=tiles["BLOCK_M"],
+            BLOCK_N=tiles["BLOCK_N"],
+            SUBBLOCKS=tiles["BLOCK_K"] // BLOCK,
+            GROUP_M=tiles["GROUP_M"],
+            TILE=tiles.get("UNPACK", "tile") == "tile",
+            num_warps=tiles["num_warps"],
+            num_stages=tiles["num_stages"],
+        )
     if partial:
         launchable(_split_sum_kernel)[(cdiv(M * N, SUM_BLOCK),)](
             workspace,

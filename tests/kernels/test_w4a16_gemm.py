@@ -21,9 +21,11 @@ import math
 import numpy as np
 import pytest
 import torch
+from fusionscope.kernels.dispatch import Tunables
 from fusionscope.kernels.tolerances import assert_close
 from fusionscope.kernels.w4a16_gemm import (
     INTERPRETER,
+    SHIPPED_BEFORE,
     TILES,
     PackedW4,
     dequantize_w4,
@@ -48,6 +50,30 @@ SHAPES = [(1, 99, 70), (5, 300, 130), (17, 200, 33), (300, 150, 65)]
 @pytest.fixture(autouse=True)
 def _gpu_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(INTERPRETER, "enabled", False)
+
+
+def _module():  # the module: the package's attribute of that name is the function
+    return importlib.import_module("fusionscope.kernels.w4a16_gemm")
+
+
+def _only(monkeypatch: pytest.MonkeyPatch, config: dict) -> None:
+    """Every M runs `config` (TILES replaced by one unbounded entry for the test)."""
+    monkeypatch.setattr(_module(), "TILES", Tunables(only=(None, dict(config))))
+
+
+def _gemv(bn: int = 256, bk: int = 128, prefetch: bool = True, bm: int = 4, split: int = 0) -> dict:
+    return {"KERNEL": "gemv", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": 4,
+            "num_stages": 1, "PREFETCH": prefetch}  # fmt: skip
+
+
+def _mma(bm: int = 16, bn: int = 64, bk: int = 256, unpack: str = "tile", split: int = 0) -> dict:
+    return {"KERNEL": "mma", "UNPACK": unpack, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split,
+            "GROUP_M": 2, "num_warps": 4, "num_stages": 3}  # fmt: skip
+
+
+# one of each kernel path: the CUDA-core GEMV, the tensor-core kernel with whole-tile and per-plane unpacking
+PATHS = {"gemv": _gemv(), "gemv-steps": _gemv(bn=64, bk=256, prefetch=False, bm=2), "mma-tile": _mma(),
+         "mma-planes": _mma(unpack="planes", bk=128)}  # fmt: skip
 
 
 def _scale(dtype: torch.dtype, K: int) -> float:
@@ -89,11 +115,74 @@ def test_matches_float64_reference(M: int, K: int, N: int, group_size: int, dtyp
     assert_close(result, _expected(x, p), dtype, scale=_scale(dtype, K))
 
 
+DECODE_CASES = [(M, g) for M in (1, 3) for g in (*GROUPS, 256)] + [(16, 32), (16, 256)]
+
+
+@pytest.mark.parametrize(("M", "group_size"), DECODE_CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_decode_gemv_matches_float64(
+    M: int, group_size: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shipped CUDA-core GEMV at M = 1, 3 (a padded row in a 4-row program) and 16 (4 row programs); K and N are
+    not multiples of the block or the tile (N spans two column tiles), the groups include one above 128."""
+    _only(monkeypatch, TILES["gemv"][1])
+    K, N = 300, 300
+    p = _packed(K, N, group_size, dtype, seed=M)
+    x = randn(M, K, dtype=dtype)
+    assert schedule(M, N, K, device()).tiles["KERNEL"] == "gemv"
+    out = poisoned((M, N), dtype)
+    assert_close(w4a16_gemm(x, *p, out=out), _expected(x, p), dtype, scale=_scale(dtype, K))
+
+
+@pytest.mark.parametrize("config", [_gemv(64, 256, prefetch=False, bm=1), _gemv(128, 128, bm=2, split=2),
+                                    _gemv(32, 384, prefetch=False), _gemv(512, 128)], ids=str)  # fmt: skip
+@pytest.mark.parametrize("M", [1, 3, 5])
+def test_gemv_configurations(M: int, config: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows per program 1, 2, 4 (M = 5: a second row program with one live row), 1-3 blocks per step with and without
+    prefetch, a forced split, and a column tile wider than N."""
+    _only(monkeypatch, config)
+    K, N = 700, 100
+    p = _packed(K, N, 64, torch.bfloat16, seed=M)
+    x = randn(M, K, dtype=torch.bfloat16)
+    out = poisoned((M, N), torch.bfloat16)
+    assert_close(w4a16_gemm(x, *p, out=out), _expected(x, p), torch.bfloat16, scale=_scale(torch.bfloat16, K))
+
+
+@pytest.mark.parametrize("group_size", [*GROUPS, 256], ids=lambda g: f"g{g}")
+@pytest.mark.parametrize(("M", "bk"), [(40, 128), (70, 256), (17, 512)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_prefill_tile_matches_float64(
+    M: int, bk: int, group_size: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tensor-core kernel unpacking a whole (BLOCK_K, BLOCK_N) tile per step (one dot with K = BLOCK_K): K = 390
+    ends inside a block and inside a step, N = 70 inside a column tile, M inside a row tile."""
+    _only(monkeypatch, dict(_mma(bm=32, bn=32, bk=bk, split=1)))
+    K, N = 390, 70
+    p = _packed(K, N, group_size, dtype, seed=M)
+    x = randn(M, K, dtype=dtype)
+    out = poisoned((M, N), dtype)
+    assert_close(w4a16_gemm(x, *p, out=out), _expected(x, p), dtype, scale=_scale(dtype, K))
+
+
+def test_shipped_tiles_are_gemv_then_tensor_cores() -> None:
+    """Decode up to the gemv bound runs the CUDA-core kernel (no 16-row MMA tile for one row), larger M the tensor-core
+    kernel with whole-tile unpacking, K ≥ 128 per dot; the schedule measured before stays available."""
+    assert [schedule(M, 4096, 4096, torch.device("cpu")).tiles["KERNEL"] for M in (1, 4, 16, 4096)] == [
+        "gemv", "gemv", "mma", "mma"]  # fmt: skip
+    assert all(config["UNPACK"] == "tile" for bound, config in TILES.values() if config["KERNEL"] == "mma")
+    assert all(config["BLOCK_K"] >= 128 for _, config in TILES.values())
+    assert {config.get("UNPACK") for _, config in SHIPPED_BEFORE.values()} >= {"planes"}
+
+
+@pytest.mark.parametrize("unpack", ["tile", "planes"])
 @pytest.mark.parametrize(("M", "K", "N"), [(3, 300, 70), (40, 260, 33)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
-def test_equals_the_unfused_chain_within_one_rounding(M: int, K: int, N: int, dtype: torch.dtype) -> None:
-    """The same bf16/fp16 weights reach the dot in both: only the fp32 accumulation order differs, so each output is
-    the unfused one or its neighbour (one unit in the last place)."""
+def test_equals_the_unfused_chain_within_one_rounding(
+    M: int, K: int, N: int, dtype: torch.dtype, unpack: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tensor-core kernel: the same bf16/fp16 weights reach the dot in both: only the fp32 accumulation order differs,
+    so each output is the unfused one or its neighbour (one unit in the last place)."""
+    _only(monkeypatch, _mma(unpack=unpack, bk=128 if unpack == "planes" else 256))
     p = _packed(K, N, 32, dtype, seed=3)
     bias = randn(N, dtype=dtype)
     x = randn(M, K, dtype=dtype)
@@ -104,9 +193,25 @@ def test_equals_the_unfused_chain_within_one_rounding(M: int, K: int, N: int, dt
     assert (fused != unfused).float().mean() < 0.2  # mostly identical: the dot saw the very same weights
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_gemv_is_closer_to_float64_than_the_unfused_chain(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GEMV never rounds a weight: it sums x·(q − zero) in fp32 and scales each group's sum once, so against the
+    float64 answer it is at least as close as the unfused chain, which rounds every dequantised weight to the dtype."""
+    _only(monkeypatch, _gemv())
+    M, K, N = 3, 1000, 300
+    p = _packed(K, N, 32, dtype, seed=3)
+    x = randn(M, K, dtype=dtype, seed=4)
+    exact = _expected(x, p)
+    fused_err = (w4a16_gemm(x, *p).double() - exact).abs().mean()
+    unfused_err = (w4a16_reference(x, *p).double() - exact).abs().mean()
+    assert fused_err <= unfused_err
+
+
+@pytest.mark.parametrize("path", PATHS, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-def test_zero_points_at_the_extremes(dtype: torch.dtype) -> None:
+def test_zero_points_at_the_extremes(dtype: torch.dtype, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Zeros 0 and 15 (and 8) in alternating groups, every q from 0 to 15: (q − z) spans −15..15."""
+    _only(monkeypatch, PATHS[path])
     K, N, g = 160, 37, 32
     q = torch.randint(0, 16, (K, N), generator=_gen(5))
     q[:16] = torch.arange(16)[:, None]  # every value present
@@ -136,10 +241,12 @@ def test_layout_is_the_documented_one(K: int) -> None:
     assert not padded[K:].any()
 
 
+@pytest.mark.parametrize("path", PATHS, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
-def test_non_contiguous_inputs(dtype: torch.dtype) -> None:
+def test_non_contiguous_inputs(dtype: torch.dtype, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """x with element stride 2 and leading dims that do not flatten (copied), the packed tensors as column-strided
     views of wider buffers, out every other column of a wider buffer."""
+    _only(monkeypatch, PATHS[path])
     K, N, g = 200, 45, 64
     p = _packed(K, N, g, dtype, seed=8)
     wide = [torch.zeros(t.shape[0], 2 * N, dtype=t.dtype, device=t.device) for t in p[:3]]
@@ -158,13 +265,14 @@ def test_non_contiguous_inputs(dtype: torch.dtype) -> None:
     assert_close(one, _expected(x[0, 0], p), dtype, scale=_scale(dtype, K))
 
 
+@pytest.mark.parametrize("path", PATHS, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-def test_split_k_with_bias(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_split_k_with_bias(dtype: torch.dtype, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode split along K in 3 (9 blocks of 128 in steps of 2: the last step of the last split holds one block),
     partial sums summed by the second kernel with the bias; and the same call unsplit."""
     M, K, N = 2, 1100, 70
-    decode = dict(TILES["decode"][1], BLOCK_K=256, SPLIT_K=3)
-    monkeypatch.setitem(TILES, "decode", (16, decode))
+    decode = dict(PATHS[path], BLOCK_K=256, SPLIT_K=3)
+    _only(monkeypatch, decode)
     plan = schedule(M, N, K, device())
     assert (plan.splits, plan.blocks_per_split) == (3, 4)
     p = _packed(K, N, 128, dtype, seed=9)
@@ -172,7 +280,7 @@ def test_split_k_with_bias(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) 
     expected = _expected(x, p, bias)
     out = poisoned((M, N), dtype)
     assert_close(w4a16_gemm(x, *p, bias=bias, out=out), expected, dtype, scale=_scale(dtype, K))
-    monkeypatch.setitem(TILES, "decode", (16, dict(decode, SPLIT_K=1)))
+    _only(monkeypatch, dict(decode, SPLIT_K=1))
     assert schedule(M, N, K, device()).splits == 1
     assert_close(w4a16_gemm(x, *p, bias=bias), expected, dtype, scale=_scale(dtype, K))
 
@@ -182,7 +290,7 @@ def test_split_k_with_bias(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) 
 def test_decode_fills_an_h200(M: int, K: int, N: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """On 132 SMs the decode schedule launches at least two programs per SM on Llama-3-8B's projections."""
     mod = importlib.import_module("fusionscope.kernels.w4a16_gemm")  # the module: the package's name is the function
-    monkeypatch.setattr(mod, "_sm_count", lambda _device: 132)
+    monkeypatch.setattr(mod, "sm_count", lambda _device: 132)
     plan = schedule(M, N, K, torch.device("cuda", 0))
     tiles = plan.tiles
     programs = math.ceil(M / tiles["BLOCK_M"]) * math.ceil(N / tiles["BLOCK_N"]) * plan.splits
