@@ -76,16 +76,23 @@ def _op_costs(ops: pd.DataFrame) -> pd.DataFrame:
     dtypes = pd.Series([roofline.op_dtype(_as_list(t)) for t in ops["input_type"].head(5000)]).dropna()
     default = dtypes.mode().iat[0] if len(dtypes) else "float32"
     cache: dict[tuple, tuple] = {}
+    by_identity: dict[tuple, tuple] = {}  # the same argument objects (a trace decoded by `trace_events` shares them)
     rows = []
-    for name, dims, types, concrete in zip(ops["name"], ops["input_dims"], ops["input_type"], ops["concrete_inputs"]):
-        key = (name, repr(dims), repr(types), repr(concrete))
-        if key not in cache:
-            cost = roofline.op_cost(name, _as_list(dims), _as_list(types), _as_list(concrete), default_dtype=default)
-            dtype = roofline.op_dtype(_as_list(types))
-            cache[key] = (
-                (np.nan, np.nan, None, dtype) if cost is None else (cost.flops, cost.bytes, cost.category, dtype)
-            )
-        rows.append(cache[key])
+    columns = (ops[c].tolist() for c in ("name", "input_dims", "input_type", "concrete_inputs"))
+    for name, dims, types, concrete in zip(*columns):
+        identity = (name, id(dims), id(types), id(concrete))  # the lists stay alive in `ops` while this runs
+        row = by_identity.get(identity)
+        if row is None:
+            key = (name, repr(dims), repr(types), repr(concrete))
+            if key not in cache:
+                cost = roofline.op_cost(name, _as_list(dims), _as_list(types), _as_list(concrete),
+                                        default_dtype=default)  # fmt: skip
+                dtype = roofline.op_dtype(_as_list(types))
+                cache[key] = (
+                    (np.nan, np.nan, None, dtype) if cost is None else (cost.flops, cost.bytes, cost.category, dtype)
+                )
+            row = by_identity[identity] = cache[key]
+        rows.append(row)
     return pd.DataFrame(rows, columns=["flops", "bytes", "category", "dtype"], index=ops["op_id"].to_numpy())
 
 
@@ -197,7 +204,8 @@ def _top_kernels(ks: pd.DataFrame, n_steps: int) -> list[dict]:
     if ks.empty:
         return []
     total = ks["dur_us"].sum() or 1.0
-    ks = ks.assign(module_pattern=ks["module"].map(module_pattern))
+    codes, modules = pd.factorize(ks["module"].to_numpy(), use_na_sentinel=False)  # each distinct path once
+    ks = ks.assign(module_pattern=np.array([module_pattern(m) for m in modules] + [""], dtype=object)[codes])
     grouped = ks.groupby(["name", "op", "category", "bound"], dropna=False)
     top = grouped["dur_us"].sum().sort_values(ascending=False).head(TOP_KERNELS)
     rows = []

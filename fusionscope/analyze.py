@@ -15,8 +15,11 @@ steps, straggler, communication) and HTA's GPU idle time and launch statistics w
 
 from __future__ import annotations
 
+import csv
+import dataclasses
 import gc
 import gzip
+import io
 import json
 import shutil
 import time
@@ -42,7 +45,6 @@ from fusionscope.run import (
     default_out_dir,
     finish_run_folder,
     staged_dir,
-    write_tables,
 )
 from fusionscope.trace import GPU_CATS, Timeline
 
@@ -91,10 +93,17 @@ def analyze(
     exact dataflow. A folder or a list of files is a multi-rank trace (`analyze_ranks`). Bad input is a UsageError
     before anything is written."""
     t_start = time.perf_counter()
+    with collector_paused():  # the whole run: its millions of small objects hold no cycles (`collector_paused`)
+        if isinstance(path, list | tuple) or Path(path).is_dir():
+            return analyze_ranks(path, out, device, on_stage)
+        return _analyze_file(Path(path), out, device, on_stage, execution_trace, t_start)
+
+
+def _analyze_file(path: Path, out: str | Path | None, device: str | None, on_stage: Callable[[str], None] | None,
+                  execution_trace: str | Path | None, t_start: float) -> Run:  # fmt: skip
+    """`analyze` of one trace file; `t_start` is when the call began (summary.json's wall time)."""
     note = on_stage or (lambda _msg: None)
-    if isinstance(path, list | tuple) or Path(path).is_dir():
-        return analyze_ranks(path, out, device, on_stage)
-    facts, doc = parse_trace(Path(path))
+    facts, doc = parse_trace(path)
     name = trace_name(facts.path)
     et_path = find_execution_trace(facts.path, name, execution_trace)
     out_dir = Path(out) if out is not None else default_out_dir(name)
@@ -143,13 +152,13 @@ def find_execution_trace(trace: Path, name: str, given: str | Path | None) -> Pa
     return execution_trace.find_beside(trace, name)
 
 
-def parse_rank(facts: TraceFacts, doc: dict) -> trace_events.Parsed:
+def parse_rank(facts: TraceFacts, doc: trace_events.TraceDocument) -> trace_events.Parsed:
     """The Timeline of a checked trace document (`trace_events`: the join `trace.load_timeline` makes, without
     decoding the file again), its rank from `distributedInfo` (0 without one); an empty one is refused."""
-    info = doc.get("distributedInfo")
+    info = doc.distributed_info
     rank = info.get("rank", 0) if isinstance(info, dict) and isinstance(info.get("rank"), int) else 0
     with collector_paused():
-        parsed = trace_events.parse_events(doc["traceEvents"], rank)
+        parsed = trace_events.parse_events(doc.events, rank)
     if parsed.timeline.ops.empty and parsed.timeline.kernels.empty:
         raise UsageError(f"{facts.path} holds no profiled ops or kernels (an empty trace)")
     return parsed
@@ -205,8 +214,8 @@ def read_trace(path: Path) -> TraceFacts:
     return parse_trace(path)[0]
 
 
-def parse_trace(path: Path) -> tuple[TraceFacts, dict]:
-    """`read_trace`, also returning the parsed trace document."""
+def parse_trace(path: Path) -> tuple[TraceFacts, trace_events.TraceDocument]:
+    """`read_trace`, also returning the decoded trace document (`trace_events.decode`: its events as columns)."""
     if not path.exists():
         raise UsageError(f"trace not found: {path}")
     if path.is_dir():
@@ -219,19 +228,19 @@ def parse_trace(path: Path) -> tuple[TraceFacts, dict]:
         raise UsageError(f"cannot read {path}: truncated or damaged gzip ({exc})") from None
     try:
         with collector_paused():
-            doc = json.loads(raw)
+            doc = trace_events.decode(raw)
     except ValueError:  # JSONDecodeError and UnicodeDecodeError
         raise UsageError(f"{path} is not JSON") from None
     del raw
-    events = doc.get("traceEvents") if isinstance(doc, dict) else None
-    if not isinstance(events, list):
+    events = doc.events
+    if events is None:
         raise UsageError(f"{path} is not a torch.profiler trace (no traceEvents)")
-    cats = [e.get("cat") if isinstance(e, dict) else None for e in events]
-    if not any(c in EVENT_CATS and e.get("ph") == "X" for c, e in zip(cats, events)):
+    if not any(c in EVENT_CATS and p == "X" for c, p in zip(events.cat, events.ph)):
         raise UsageError(f"{path} holds no profiled ops or kernels (an empty trace)")
-    kernels = [e for c, e in zip(cats, events) if c == "kernel" and e.get("ph") == "X"]
-    gpu = any(c in GPU_CATS for c in cats)
-    facts = TraceFacts(path=path, gpu_name=_gpu_name(doc.get("deviceProperties"), kernels),
+    kernels = [i for i, (c, p) in enumerate(zip(events.cat, events.ph)) if c == "kernel" and p == "X"]
+    used = events.arg_columns(["device"], np.asarray(kernels, dtype=np.int64))["device"].tolist()
+    gpu = any(c in GPU_CATS for c in events.cat)
+    facts = TraceFacts(path=path, gpu_name=_gpu_name(doc.device_properties, used),
                        device_kind="cuda" if gpu else "cpu")  # fmt: skip
     return facts, doc
 
@@ -240,7 +249,8 @@ def parse_trace(path: Path) -> tuple[TraceFacts, dict]:
 def collector_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector while a trace becomes millions of small objects that hold no cycles:
     each collection it triggers walks all of them: `json.loads` of a 1M-event trace took 25.3 s with it running, 8.6 s
-    without (2-core CPU, 2026-12-01)."""
+    without (2-core CPU, 2026-12-01). `analyze` pauses it for the whole run: re-enabled between stages, the first
+    full collection after each walked every object still alive."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -250,12 +260,12 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _gpu_name(properties: object, events: list[dict]) -> str | None:
-    """The name of the device most kernels (`events`) ran on (`args.device` ↔ `deviceProperties[].id`); the first
-    listed device when kernels carry no id; None for a CPU-only trace."""
+def _gpu_name(properties: object, devices: list) -> str | None:
+    """The name of the device most kernels ran on (`devices`: each kernel's `args.device`, None without one ↔
+    `deviceProperties[].id`); the first listed device when kernels carry no id; None for a CPU-only trace."""
     listed = properties if isinstance(properties, list) else []
     named = [p for p in listed if isinstance(p, dict) and p.get("name")]
-    used = Counter((e.get("args") or {}).get("device") for e in events)
+    used = Counter(devices)
     if not named or not used:
         return None
     by_id = {p.get("id"): str(p["name"]) for p in named}
@@ -405,7 +415,7 @@ def summarize(facts: TraceFacts, name: str, timeline: Timeline, kernels: pd.Data
     from fusionscope.device import software_versions
 
     gpu = timeline.device_kind == "cuda"
-    has_shapes = timeline.ops["input_dims"].map(lambda d: isinstance(d, list) and len(d) > 0).any()
+    has_shapes = any(isinstance(d, list) and len(d) > 0 for d in timeline.ops["input_dims"].tolist())
     exact = found.execution_trace is not None
     missing = [MISSING_UNPROFILED_GPU if gpu else MISSING_UNPROFILED_CPU, *([] if exact else [MISSING_DATAFLOW]),
                *missing]  # fmt: skip
@@ -457,8 +467,91 @@ def fused_kernel_status(kernels: pd.DataFrame, opportunities: list[dict]) -> dic
 def dominant_dtype(ops: pd.DataFrame) -> str | None:
     """The float dtype most ops compute in (`roofline.op_dtype` of their recorded input types); None without
     shapes."""
-    dtypes = pd.Series([roofline.op_dtype(t) for t in ops["input_type"]], dtype=object).dropna()
+    memo: dict[int, str | None] = {}  # by identity: the lists stay alive in `ops`, and `trace_events` shares them
+    listed = ops["input_type"].tolist()
+    for t in listed:
+        if id(t) not in memo:
+            memo[id(t)] = roofline.op_dtype(t)
+    dtypes = pd.Series([memo[id(t)] for t in listed], dtype=object).dropna()
     return str(dtypes.mode().iat[0]) if len(dtypes) else None
+
+
+def write_tables(folder: Path, kernels: pd.DataFrame, ops: pd.DataFrame) -> None:
+    """kernels.csv and ops.csv, as `run.write_tables` writes them (`write_csv`)."""
+    write_csv(kernels, folder / "kernels.csv")
+    write_csv(ops, folder / "ops.csv")
+
+
+def write_csv(frame: pd.DataFrame, path: Path) -> None:
+    """`frame.to_csv(path, index=False, float_format="%.6g")`, byte for byte, in a fraction of its time: each column
+    becomes the fields pandas would write (`_csv_fields`: floats formatted in one pass, each distinct object of an
+    object column formatted and quoted once: the ops' shape lists and the names are shared objects, `trace_events`),
+    joined into lines by `str.join` rather than `csv.writer`, which scans every character of every field. A frame of
+    one column (whose empty fields `csv` quotes) or with a column of any other dtype is left to pandas."""
+    columns = [_csv_fields(frame.iloc[:, j]) for j in range(frame.shape[1])] if frame.shape[1] > 1 else [None]
+    if any(c is None for c in columns):
+        frame.to_csv(path, index=False, float_format="%.6g")
+        return
+    header = ",".join(_csv_quoted(label if isinstance(label, str) else _csv_text(label)) for label in frame.columns)
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        f.write(header + "\n")
+        if len(frame):
+            f.write("\n".join(map(",".join, zip(*columns))) + "\n")
+
+
+def _csv_fields(column: pd.Series) -> list[str] | None:
+    """The fields `to_csv(float_format="%.6g")` writes for a column, quoted as its `csv` writer quotes them: floats
+    by "%.6g" (NaN empty), ints and bools by str (neither needs quoting); objects empty when missing, by repr when
+    floats (as `csv` writes them), else by str. None for another dtype (categorical, nullable, dates)."""
+    values = column.to_numpy()
+    kind = values.dtype.kind
+    if kind == "f":
+        out = list(map("%.6g".__mod__, values.tolist()))
+        for i in np.flatnonzero(np.isnan(values)).tolist():
+            out[i] = ""
+        return out
+    if kind in "iub":
+        return list(map(str, values.tolist()))
+    if kind != "O" or not isinstance(column.dtype, np.dtype):
+        return None
+    texts: dict[str, str] = {}  # strings by value (equal ones may be distinct objects), anything else by identity
+    objects: dict[int, str] = {}
+    out = []
+    for value in values.tolist():
+        if type(value) is str:
+            field = texts.get(value)
+            if field is None:
+                field = texts[value] = _csv_quoted(value)
+        else:
+            field = objects.get(id(value))
+            if field is None:
+                field = objects[id(value)] = _csv_quoted(_csv_text(value))
+        out.append(field)
+    return out
+
+
+def _csv_text(value: object) -> str:
+    """One object column field as pandas and `csv` write it, before quoting."""
+    if value is None:
+        return ""
+    if not isinstance(value, list | tuple | dict | set | np.ndarray) and pd.isna(value):
+        return ""
+    return float.__repr__(value) if isinstance(value, float) else str(value)
+
+
+_CSV_PROBE = io.StringIO()
+_CSV_WRITER = csv.writer(_CSV_PROBE, lineterminator="\n")
+
+
+def _csv_quoted(text: str) -> str:
+    """`text` as a field of a row of several, quoted (or not) by the `csv` writer pandas uses, so that its rules
+    (which characters force quotes) are this Python's."""
+    if not text:
+        return text
+    _CSV_PROBE.seek(0)
+    _CSV_PROBE.truncate()
+    _CSV_WRITER.writerow((text, ""))
+    return _CSV_PROBE.getvalue()[:-2]
 
 
 def copy_trace(source: Path, target: Path) -> None:
@@ -549,12 +642,12 @@ def rank_files(paths: str | Path | list[str | Path]) -> list[Path]:
 def read_rank(path: Path) -> RankTrace:
     """A rank's file checked as a single trace is, its rank (`distributedInfo.rank`, 0 without one) and intervals."""
     facts, doc = parse_trace(path)
-    info = doc.get("distributedInfo")
+    info = doc.distributed_info
     rank = info.get("rank", 0) if isinstance(info, dict) else 0
     if not isinstance(rank, int) or rank < 0:
         raise UsageError(f"{path}: distributedInfo.rank is {rank!r}, not a rank number")
-    parsed = parse_rank(facts, {**doc, "distributedInfo": {"rank": rank}})
-    return RankTrace(rank=rank, facts=facts, intervals=ranks.rank_intervals(rank, doc["traceEvents"]), parsed=parsed)
+    parsed = parse_rank(facts, dataclasses.replace(doc, distributed_info={"rank": rank}))
+    return RankTrace(rank=rank, facts=facts, intervals=ranks.rank_intervals(rank, doc.events.dicts()), parsed=parsed)
 
 
 def check_ranks(traces: list[RankTrace]) -> list[RankTrace]:

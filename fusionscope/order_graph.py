@@ -103,9 +103,9 @@ class _Value:
     )  # fmt: skip
 
     def __init__(self, vid: int, node: int, op: str, sig: Sig, chain: tuple, view: bool, elementwise: bool,
-                 derived: tuple[int, ...]) -> None:  # fmt: skip
+                 derived: tuple[int, ...], modules: tuple) -> None:  # fmt: skip
         self.id, self.node, self.pos, self.op, self.chain, self.view = vid, node, node, op, chain, view
-        self.modules = _modules(chain)  # a composite op returns its last child's value: only modules nest returns
+        self.modules = modules  # `_modules(chain)`: a composite op returns its last child's value: only modules nest
         self.shape, self.dtype = sig
         self.elementwise, self.derived = elementwise, derived
         self.source = -1  # a view's: the value it views
@@ -113,14 +113,30 @@ class _Value:
         self.reads, self.last_read, self.max_shared, self.superseded = 0, -1, 0, False
 
 
+def _first_newest(values: list[_Value]) -> _Value | None:
+    """`max(values, key=pos)`: the first value of the newest node. A pool lists values in the order they were made
+    (positions never decrease), so it is found from the end."""
+    if not values:
+        return None
+    k = len(values) - 1
+    pos = values[k].pos
+    while k and values[k - 1].pos == pos:
+        k -= 1
+    return values[k]
+
+
 def _modules(chain: tuple) -> tuple:
     return tuple(level for level in chain if level[0] != "op")
 
 
 def _common(a: tuple, b: tuple) -> int:
-    n = min(len(a), len(b))
+    """The length of the common prefix of two chains."""
+    if a is b:
+        return len(a)
     i = 0
-    while i < n and a[i] == b[i]:
+    for x, y in zip(a, b):
+        if x is not y and x != y:
+            return i
         i += 1
     return i
 
@@ -172,22 +188,26 @@ class _Segment:
         """Values of this shape (and dtype) the reader can still see; dead ones are dropped for good."""
         key = (shape, dtype) if dtype is not None else shape
         listed = (self.by_sig if dtype is not None else self.by_shape).get(key, [])
-        alive, seen = [], []
+        alive = []
         for v in listed:
-            if v.superseded or v.max_shared > _common(v.chain, chain):
+            m = v.max_shared  # private to a scope the reader is outside of: its first m levels are not the reader's
+            if v.superseded or (m and v.chain[:m] != chain[:m]):
                 continue  # replaced, or private to a scope the reader is outside of: no later reader sees it
             alive.append(v)
-            seen.append(v)
         listed[:] = alive
-        return seen
+        return alive
 
-    def pick(self, node: int, which: int, chain: tuple, view: bool, pool: list[_Value]) -> _Value | None:
+    def pick(
+        self, node: int, which: int, chain: tuple, view: bool, pool: list[_Value], modules: tuple
+    ) -> _Value | None:
+        """The value an input reads among those it can see (`pool`), by the rules of the module docstring;
+        `modules` is `_modules(chain)`."""
         if not pool:
             return None
         unread = [v for v in pool if v.reads == 0]
         if self.name[node] in TWINNED:  # keys then values: the second cat appends the values, not the first's result
             unread = [v for v in unread if v.op != self.name[node] or self.signature[v.node] != self.signature[node]]
-        newest = max(unread, key=lambda v: v.pos) if unread else None
+        newest = _first_newest(unread)
         if view and newest is not None and newest.elementwise and not newest.view:  # rule 1
             ids = {v.id for v in pool}
             source = next((self.values[d] for d in newest.derived if d in ids), None)
@@ -196,19 +216,17 @@ class _Segment:
         if newest is not None:  # rule 2
             if newest.view:  # of views of different values made in one scope, the oldest; of one value's, the newest
                 views = [v for v in unread if v.view and v.chain == newest.chain]
-                return min((v for v in views if v is newest or v.source != newest.source), key=lambda v: v.pos)
-            modules = _modules(chain)
+                return next(v for v in views if v is newest or v.source != newest.source)  # the oldest: pools are in
+                # the order values were made
             depth = _common(newest.modules, modules)
             if len(newest.modules) > depth:  # returned by a module the reader is outside of: its results in order
                 call = newest.modules[depth]
-                return min((v for v in unread if len(v.modules) > depth and v.modules[depth] == call),
-                           key=lambda v: v.pos)  # fmt: skip
+                return next(v for v in unread if len(v.modules) > depth and v.modules[depth] == call)
             # values made side by side by one op in one scope (cos and sin, keys and values) are read in order
-            return min((v for v in unread if v.op == newest.op and v.chain == newest.chain), key=lambda v: v.pos)
+            return next(v for v in unread if v.op == newest.op and v.chain == newest.chain)
         analog = self.analog(node, which, chain, {v.id for v in pool})  # rule 3
         if analog is not None:
             return analog
-        modules = _modules(chain)  # rule 4
         home = modules[-1] if modules else None
 
         def rank(v: _Value) -> tuple:
@@ -245,11 +263,11 @@ class _Segment:
             self.instance_nodes[instance].append(node)
 
     def produce(self, node: int, sigs: list[Sig], chain: tuple, view: bool, elementwise: bool,
-                read: list[_Value | None]) -> None:  # fmt: skip
+                read: list[_Value | None], modules: tuple) -> None:  # fmt: skip
         for sig in sigs:
             binary = elementwise and len(read) >= 2  # a product of two tensors (x·cos), not x + 1
             derived = tuple(r.id for r in read if r is not None and (r.shape, r.dtype) == sig) if binary else ()
-            value = _Value(len(self.values), node, self.name[node], sig, chain, view, elementwise, derived)
+            value = _Value(len(self.values), node, self.name[node], sig, chain, view, elementwise, derived, modules)
             if view and read and read[0] is not None:
                 value.source = read[0].id
             self.values.append(value)
@@ -345,7 +363,8 @@ def infer_dataflow(ops: pd.DataFrame, device_kind: str) -> pd.DataFrame:
     concrete = nodes["concrete_inputs"].tolist() if "concrete_inputs" in nodes else [None] * n
     chains = _chains([m if isinstance(m, str) else "" for m in cols["module"]], nodes["composites"].tolist())
     rows = []
-    arguments: dict[tuple, tuple] = {}
+    arguments = _Arguments()
+    facts: dict[str, tuple[bool, str, bool]] = {}  # op name → (view, short name, elementwise)
     producer_of: dict[tuple[int, int], int] = {}  # (segment, value id) → node id
     segment, key = _Segment(), None
     segments = 0
@@ -354,26 +373,22 @@ def infer_dataflow(ops: pd.DataFrame, device_kind: str) -> pd.DataFrame:
         if (cols["step"][i], cols["tid"][i]) != key:
             segment, key, segments = _Segment(), (cols["step"][i], cols["tid"][i]), segments + 1
         chain = chains[i]
+        modules = _modules(chain)
         segment.add_instance(chain, i)
         segment.name[i] = name
-        _composite, view = schema_facts(name, device_kind)
-        short = short_name(name)
-        elementwise = short in _ELEMENTWISE or short.removesuffix("_") in _ELEMENTWISE
+        if name not in facts:
+            short = short_name(name)
+            facts[name] = (schema_facts(name, device_kind)[1], short,
+                           short in _ELEMENTWISE or short.removesuffix("_") in _ELEMENTWISE)  # fmt: skip
+        view, short, elementwise = facts[name]
         strided = cols["strided"][i] if view else None
-        memo = (name, repr(dims[i]), repr(types[i]), repr(concrete[i]), strided)
-        known_args = arguments.get(memo)
-        if known_args is None:  # layers and steps repeat their ops' arguments: derive each once
-            tensors, _where, others = tensor_inputs(dims[i], types[i], elementwise)
-            listed = [v if isinstance(v, list | tuple) else [] for v in (dims[i], types[i], concrete[i])]
-            made = op_outputs(name, Arguments(listed[0], listed[1], listed[2], "float32"), strided) or []
-            known_args = arguments[memo] = (tensors, others, made)  # without recorded shapes: no arguments
-        tensors, others, made = known_args
+        tensors, others, made = arguments.of(name, dims[i], types[i], concrete[i], strided, elementwise)
         segment.signature[i] = tuple(tensors)
         read: list[_Value | None] = []
         for which, (shape, dtype) in enumerate(tensors):
             pool = segment.pool(shape, dtype, chain)
-            distinct = [v for v in pool if all(v is not r for r in read)] or pool
-            read.append(segment.pick(i, which, chain, view, distinct))
+            distinct = [v for v in pool if all(v is not r for r in read)] or pool if read else pool
+            read.append(segment.pick(i, which, chain, view, distinct, modules))
         if elementwise:  # operands of one shape and dtype in the order they were made: `residual + h`
             for sig in {(v.shape, v.dtype) for v in read if v is not None}:
                 slots = [j for j, v in enumerate(read) if v is not None and (v.shape, v.dtype) == sig]
@@ -384,7 +399,7 @@ def infer_dataflow(ops: pd.DataFrame, device_kind: str) -> pd.DataFrame:
             v.reads += 1
             v.last_read = i
             v.max_shared = max(v.max_shared, _common(v.chain, chain))
-            v.seen_by.update(_modules(chain))
+            v.seen_by.update(modules)
         known = next((v.dtype for v in read if v is not None and v.dtype is not None), None)
         tensors = [(shape, dtype or (v.dtype if v is not None else None) or known)  # a TensorList member's dtype
                    for (shape, dtype), v in zip(tensors, read)]  # fmt: skip
@@ -397,7 +412,7 @@ def infer_dataflow(ops: pd.DataFrame, device_kind: str) -> pd.DataFrame:
                 if v is not None:
                     v.superseded = True
         first = len(segment.values)
-        segment.produce(i, sigs, chain, view, elementwise, read)
+        segment.produce(i, sigs, chain, view, elementwise, read, modules)
         for vid in range(first, len(segment.values)):
             producer_of[(segments, vid)] = i
         inputs = tuple(producer_of[(segments, v.id)] if v is not None else LEAF for v in read)
@@ -407,6 +422,32 @@ def infer_dataflow(ops: pd.DataFrame, device_kind: str) -> pd.DataFrame:
                      tuple(s for s, _d in tensors), tuple(d for _s, d in tensors), tuple(s for s, _d in sigs),
                      tuple(d for _s, d in sigs), scalars, view, inplace, cols["op_id"][i]))  # fmt: skip
     return dataflow_table(rows, BASIS_ORDER)
+
+
+class _Arguments:
+    """Each node's tensor inputs, other arguments and outputs (`tensor_inputs`, `op_outputs`), derived once per
+    distinct (name, shapes, types, scalars, strided size): layers and steps repeat their ops' arguments. A trace
+    decoded by `trace_events` shares one list object per distinct argument list, so the lookup is by identity
+    first and by text (`repr`) only for an object not seen before."""
+
+    def __init__(self) -> None:
+        self.by_text: dict[tuple, tuple] = {}
+        self.by_identity: dict[tuple, tuple] = {}  # valid while the argument lists are alive (the caller's)
+
+    def of(self, name: str, dims: object, types: object, concrete: object, strided: tuple | None,
+           elementwise: bool) -> tuple[Tensors, list[int], list[Sig]]:  # fmt: skip
+        identity = (name, id(dims), id(types), id(concrete), strided)
+        known = self.by_identity.get(identity)
+        if known is None:
+            text = (name, repr(dims), repr(types), repr(concrete), strided)
+            known = self.by_text.get(text)
+            if known is None:  # without recorded shapes: no arguments
+                tensors, _where, others = tensor_inputs(dims, types, elementwise)
+                listed = [v if isinstance(v, list | tuple) else [] for v in (dims, types, concrete)]
+                made = op_outputs(name, Arguments(listed[0], listed[1], listed[2], "float32"), strided) or []
+                known = self.by_text[text] = (tensors, others, made)
+            self.by_identity[identity] = known
+        return known
 
 
 def dataflow_table(rows: list[tuple], basis: str) -> pd.DataFrame:

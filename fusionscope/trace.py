@@ -166,7 +166,8 @@ def _join_rank(rank: int, df: pd.DataFrame, symbols: list[str]) -> tuple[pd.Data
         columns=OP_COLUMNS,
     )
 
-    ann = cpu[cpu["name_s"].str.startswith(STEP_PREFIX, na=False)]
+    is_step = np.array([isinstance(sym_, str) and sym_.startswith(STEP_PREFIX) for sym_ in symbols] + [False])
+    ann = cpu[is_step[cpu["name"].to_numpy()]]  # by symbol id: each distinct name tested once
     steps = pd.DataFrame(
         {
             "rank": rank,
@@ -189,17 +190,18 @@ def _sweep(cpu: pd.DataFrame) -> dict[str, np.ndarray]:
     children inherit, which makes the walk O(events). Also returns, for step markers, the phase opened inside them.
     """
     n = len(cpu)
-    names = cpu["name_s"].to_numpy()
-    cats = cpu["cat_s"].to_numpy()
-    tids = cpu["tid"].to_numpy()
-    starts = cpu["ts"].to_numpy(dtype=float)
-    ends = starts + cpu["dur"].to_numpy(dtype=float)
-    idx = cpu["index"].to_numpy()
-    step = np.full(n, -1, dtype=np.int64)
-    phase = np.full(n, "", dtype=object)
-    module = np.full(n, "", dtype=object)
-    parent_op = np.full(n, -1, dtype=np.int64)
-    phase_inner = np.full(n, "", dtype=object)
+    names = cpu["name_s"].tolist()  # Python lists: indexing a numpy array in a loop makes a scalar object each time
+    cats = cpu["cat_s"].tolist()
+    tids = cpu["tid"].tolist()
+    start_array = cpu["ts"].to_numpy(dtype=float)
+    ends = (start_array + cpu["dur"].to_numpy(dtype=float)).tolist()
+    starts = start_array.tolist()
+    idx = cpu["index"].tolist()
+    step = [-1] * n
+    phase = [""] * n
+    module = [""] * n
+    parent_op = [-1] * n
+    phase_inner = [""] * n
     step_row: dict[tuple[int, int], int] = {}
     stack: list[tuple[float, int, str, str, int]] = []  # (end, step, phase, module, op index)
     current_tid = None
@@ -211,8 +213,9 @@ def _sweep(cpu: pd.DataFrame) -> dict[str, np.ndarray]:
             stack.pop()
         s, p, m, op = stack[-1][1:] if stack else (-1, "", "", -1)
         step[i], phase[i], module[i], parent_op[i] = s, p, m, op
-        name = names[i]
-        if cats[i] == "user_annotation":
+        cat = cats[i]
+        if cat == "user_annotation":
+            name = names[i]
             if name.startswith(STEP_PREFIX):
                 s = int(name[len(STEP_PREFIX) :])
                 step[i] = s
@@ -224,10 +227,13 @@ def _sweep(cpu: pd.DataFrame) -> dict[str, np.ndarray]:
                     phase_inner[step_row[(current_tid, s)]] = p
             elif name.startswith(MODULE_PREFIX):
                 m = name[len(MODULE_PREFIX) :]
-        elif cats[i] == "cpu_op":
+        elif cat == "cpu_op":
             op = idx[i]
-        if ends[i] > starts[i] or cats[i] != "cuda_runtime":
+        if ends[i] > starts[i] or cat != "cuda_runtime":
             stack.append((ends[i], s, p, m, op))
+    step = np.array(step, dtype=np.int64)
+    parent_op = np.array(parent_op, dtype=np.int64)
+    phase, module, phase_inner = (np.array(v, dtype=object) for v in (phase, module, phase_inner))
     return {"step": step, "phase": phase, "module": module, "parent_op": parent_op, "phase_inner": phase_inner}
 
 

@@ -1,23 +1,40 @@
 """The `Timeline` of a trace document already decoded (`analyze` reads and checks the file once), without HTA's
 second read and decode of the same file.
 
-It builds the frame HTA's parser builds — one row per complete event (`dur` and `cat` present, `Trace` dropped),
-`index` its position in `traceEvents`, timestamps from the earliest event, the arguments `trace._parser_config`
-asks for with HTA's defaults, `index_correlation` linking each launch to its kernel, and, with two or more
-`ProfilerStep` ranges, HTA's filter (GPU events whose launch is in the trace) —
-and hands it to the same join `trace.load_timeline` uses (`trace._join_rank`), so both give the same tables
-(tests/test_analyze_scale.py checks it on every fixture). It also returns the `user_annotation` ranges the join
-does not keep (`Optimizer.step#…`), for telling a training step's phases apart.
+`decode` turns the file's bytes into `EventColumns`: one list per field the analysis reads (`ph`, `cat`, `name`,
+`tid`, `ts`, `dur` and the arguments `trace._parser_config` asks for, with HTA's defaults), not a dict per event.
+With msgspec installed it decodes straight into typed structs that skip every other field, and each distinct
+argument list (`Input Dims`, `Input type`, `Concrete Inputs`, `grid`, `block`) becomes one shared Python object: a
+1M-event trace repeats a few hundred of them, and sharing lets later stages cache per object instead of per event.
+Without msgspec, or when the file is anything but plain JSON objects (a case msgspec refuses and `json` accepts, or
+bad input, whose error `json` names), it falls back to the standard library's `json`; both give equal columns.
+
+From the columns it builds the frame HTA's parser builds — one row per complete event (`dur` and `cat` present,
+`Trace` dropped), `index` its position in `traceEvents`, timestamps from the earliest event, `index_correlation`
+linking each launch to its kernel, and, with two or more `ProfilerStep` ranges, HTA's filter (GPU events whose
+launch is in the trace) — and hands it to the same join `trace.load_timeline` uses (`trace._join_rank`), so both
+give the same tables (tests/test_analyze_events.py checks it on every fixture). It also returns the
+`user_annotation` ranges the join does not keep (`Optimizer.step#…`), for telling a training step's phases apart.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import compress, repeat
+from operator import attrgetter, is_, is_not, ne
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from fusionscope import trace
+
+try:  # optional: a typed decoder about 5x faster than `json` on traces; everything works without it
+    import msgspec
+except ImportError:  # pragma: no cover - exercised by monkeypatching `msgspec` to None in the tests
+    msgspec = None
 
 # (column, args key, default): what trace._parser_config keeps, with HTA's defaults
 ARGS = (("stream", "stream", -1), ("correlation", "correlation", -1), ("input_dims", "Input Dims", "-1"),
@@ -26,45 +43,184 @@ ARGS = (("stream", "stream", -1), ("correlation", "correlation", -1), ("input_di
         ("registers_per_thread", "registers per thread", -1), ("shared_memory", "shared memory", -1),
         ("bytes", "bytes", -1), ("record_id", "Record function id", -1))  # fmt: skip
 INT_ARGS = ("stream", "correlation", "external_id", "registers_per_thread", "shared_memory", "bytes", "record_id")
+LIST_ARGS = ("input_dims", "input_type", "concrete_inputs", "grid", "block")  # shared objects, one per distinct value
+EXTRA_ARGS = (("device", "device", None),)  # read by `analyze` to name the GPU, not a frame column
+ARG_KEYS = {column: (key, default) for column, key, default in (*ARGS, *EXTRA_ARGS)}
+EVENT_FIELDS = ("ph", "cat", "name", "tid", "ts", "dur")
 SYNC_EVENTS = ("Event Sync", "Context Sync")  # on stream -1, yet GPU events to HTA
 
 
 @dataclass
-class Parsed:
-    """A rank's timeline, its annotation ranges (name, tid, ts_us, dur_us; timestamps as the timeline's), and each
-    op's `Record function id` (op_id → id; what links it to an execution trace)."""
+class EventColumns:
+    """A trace's `traceEvents` as columns, one entry per event in file order (None where an event lacks the field),
+    and each event's `args` (a dict, msgspec's struct or None), whose columns `arg_columns` reads for the rows
+    asked for."""
 
-    timeline: trace.Timeline
-    annotations: pd.DataFrame
-    record_ids: dict[int, int]
+    ph: Sequence
+    cat: Sequence
+    name: Sequence
+    tid: Sequence
+    ts: Sequence
+    dur: Sequence
+    args: Sequence
+    structs: bool = False  # `args` holds msgspec structs (`_decoder`), not JSON dicts
+
+    def __len__(self) -> int:
+        return len(self.cat)
+
+    @classmethod
+    def from_dicts(cls, events: list) -> EventColumns:
+        """The columns of JSON-decoded events; anything but a dict is an event without fields."""
+        rows = [e if isinstance(e, dict) else {} for e in events]
+        return cls(*([e.get(f) for e in rows] for f in (*EVENT_FIELDS, "args")))
+
+    def arg_columns(self, columns: Sequence[str], rows: np.ndarray) -> dict[str, np.ndarray]:
+        """Argument columns (of `ARGS` and `EXTRA_ARGS`) of the events at `rows`, each an object array with HTA's
+        default where an event lacks the argument (`args` that is not a dict holds none)."""
+        picked = _pick(self.args, rows)
+        if not self.structs:
+            given = [a if isinstance(a, dict) else {} for a in picked]
+            return {c: _objects([a.get(ARG_KEYS[c][0], ARG_KEYS[c][1]) for a in given]) for c in columns}
+        none, raw_default = _DECODER[1], _DECODER[2]
+        missing = np.fromiter(map(is_, picked, repeat(None)), dtype=bool, count=len(picked))
+        picked[missing] = none
+        out = {}
+        for c in columns:
+            values = list(map(attrgetter(c), picked))
+            out[c] = _shared(values, raw_default[c], ARG_KEYS[c][1]) if c in raw_default else _objects(values)
+        return out
+
+    def dicts(self) -> list[dict]:
+        """The events as dicts of their top-level fields (those not None), for code written over decoded JSON."""
+        return [{k: v for k, v in zip(EVENT_FIELDS, values) if v is not None}
+                for values in zip(self.ph, self.cat, self.name, self.tid, self.ts, self.dur)]  # fmt: skip
 
 
-def events_frame(events: list) -> pd.DataFrame:
-    """HTA's event frame of a trace's `traceEvents` (names and categories as strings, not symbol ids)."""
-    rows = [(i, e.get("name"), e.get("cat"), e.get("tid"), e.get("ts"), e.get("dur"), e.get("args"))
-            for i, e in enumerate(events)
-            if isinstance(e, dict) and e.get("dur") is not None and e.get("cat") not in (None, "Trace")]  # fmt: skip
-    frame = pd.DataFrame(rows, columns=["index", "name", "cat", "tid", "ts", "dur", "args"])
-    columns: list[list] = [[] for _ in ARGS]
-    keys = [(key, default, out.append) for (_column, key, default), out in zip(ARGS, columns)]
-    for a in frame.pop("args").tolist():  # one pass over the events' args
-        if not isinstance(a, dict):
-            a = {}
-        for key, default, append in keys:
-            append(a.get(key, default))
-    for (column, _key, _default), values in zip(ARGS, columns):
-        frame[column] = np.asarray(values, dtype=np.int64) if column in INT_ARGS else _objects(values)
-    frame["ts"] = frame["ts"].astype(float)
-    frame["dur"] = frame["dur"].astype(float)
+def _pick(values: Sequence, rows: np.ndarray) -> np.ndarray:
+    """values[rows] as an object array."""
+    return (values if isinstance(values, np.ndarray) else _objects(values))[rows]
+
+
+def _objects(values: Sequence) -> np.ndarray:
+    """A 1-D object array of the values (lists stay list objects, not nested arrays)."""
+    return np.fromiter(values, dtype=object, count=len(values))
+
+
+@dataclass
+class TraceDocument:
+    """A decoded trace file: what `analyze` reads of its header, and its events (None when the file is not a JSON
+    object holding a `traceEvents` list)."""
+
+    device_properties: object
+    distributed_info: object
+    events: EventColumns | None
+
+
+def decode(raw: bytes) -> TraceDocument:
+    """Decode a trace file's bytes: msgspec's typed decoder when installed and the file is plain JSON objects, else
+    `json` (which raises ValueError on bytes that are not JSON). Both give equal documents."""
+    if msgspec is not None:
+        try:
+            doc = _decoder().decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError):  # not plain JSON objects: json says what it is
+            pass
+        else:
+            return TraceDocument(doc.deviceProperties, doc.distributedInfo, _from_structs(doc.traceEvents))
+    return from_json(json.loads(raw))
+
+
+def from_json(doc: object) -> TraceDocument:
+    """The document of a JSON-decoded trace (`json.loads` of the file)."""
+    if not isinstance(doc, dict):
+        return TraceDocument(None, None, None)
+    events = doc.get("traceEvents")
+    columns = EventColumns.from_dicts(events) if isinstance(events, list) else None
+    return TraceDocument(doc.get("deviceProperties"), doc.get("distributedInfo"), columns)
+
+
+_DECODER: list = []  # msgspec's decoder, an args struct with every default, the raw defaults of LIST_ARGS
+
+
+def _decoder() -> Any:
+    """msgspec's decoder for a trace: events as structs holding only the fields read here (the rest is skipped
+    unread); argument lists kept as raw JSON text, decoded once per distinct text by `_shared`."""
+    if not _DECODER:
+        specs = (*ARGS, *EXTRA_ARGS)
+        raw_default = {c: msgspec.Raw(json.dumps(d).encode()) for c, _k, d in specs if c in LIST_ARGS}
+        fields = [(c, msgspec.Raw, raw_default[c]) if c in LIST_ARGS else (c, Any, d) for c, _k, d in specs]
+        args = msgspec.defstruct("TraceArgs", fields, rename={c: k for c, k, _d in specs})
+        event = msgspec.defstruct("TraceEvent", [*((f, Any, None) for f in EVENT_FIELDS), ("args", args | None, None)])
+        doc = msgspec.defstruct(
+            "TraceDoc", [("traceEvents", list[event]), ("deviceProperties", Any, None), ("distributedInfo", Any, None)]
+        )
+        _DECODER.extend([msgspec.json.Decoder(doc), args(), raw_default])
+    return _DECODER[0]
+
+
+def _from_structs(events: list) -> EventColumns:
+    """Columns of msgspec's event structs, each read by a C-level attribute getter, not a Python loop."""
+    return EventColumns(*(list(map(attrgetter(f), events)) for f in (*EVENT_FIELDS, "args")), structs=True)
+
+
+def _shared(raws: list, default_raw: object, default: object) -> np.ndarray:
+    """Decode raw JSON values, each distinct text once (by `json`, as the fallback decodes it), into one shared
+    object; events without the argument (msgspec's default, the same object every time) get HTA's default."""
+    n = len(raws)
+    out = np.empty(n, dtype=object)
+    own = np.fromiter(map(id, raws), dtype=np.uint64, count=n) != np.uint64(id(default_raw))
+    out[~own] = default
+    if own.any():
+        codes, uniques = pd.factorize(_objects(list(map(bytes, compress(raws, own.tolist())))))
+        decoded = np.empty(len(uniques), dtype=object)
+        for i, text in enumerate(uniques):
+            decoded[i] = json.loads(text)
+        out[own] = decoded[codes]
+    return out
+
+
+def _interned(values: np.ndarray) -> np.ndarray:
+    """The values with each distinct one a single shared object: a string's hash is then computed once, not once
+    per event, in every later lookup and grouping by name. Only all-string columns: factorizing would take 1 and
+    1.0 for one value."""
+    if pd.api.types.infer_dtype(values, skipna=False) != "string":
+        return values
+    codes, uniques = pd.factorize(values)
+    return np.asarray(uniques, dtype=object)[codes]
+
+
+def events_frame(events: EventColumns | list) -> pd.DataFrame:
+    """HTA's event frame of a trace's `traceEvents` (names and categories as strings, not symbol ids): one row per
+    event with `dur` and a category other than `Trace`. `events`: columns, or the decoded JSON list."""
+    cols = events if isinstance(events, EventColumns) else EventColumns.from_dicts(events)
+    n = len(cols)
+    timed = np.fromiter(map(is_not, cols.dur, repeat(None)), dtype=bool, count=n)
+    timed &= np.fromiter(map(is_not, cols.cat, repeat(None)), dtype=bool, count=n)
+    timed &= np.fromiter(map(ne, cols.cat, repeat("Trace")), dtype=bool, count=n)
+    keep = np.flatnonzero(timed)
+    name, cat = _interned(_pick(cols.name, keep)), _interned(_pick(cols.cat, keep))
+    frame = pd.DataFrame({"index": keep, "name": name, "cat": cat, "tid": _pick(cols.tid, keep)}).infer_objects()
+    frame["ts"] = _pick(cols.ts, keep).astype(float)
+    frame["dur"] = _pick(cols.dur, keep).astype(float)
+    for column, values in cols.arg_columns([c for c, _k, _d in ARGS], keep).items():
+        frame[column] = values.astype(np.int64) if column in INT_ARGS else values
     if len(frame):
         frame["ts"] -= frame["ts"].min()
     return frame
 
 
-def _objects(values: list) -> np.ndarray:
-    out = np.empty(len(values), dtype=object)
-    out[:] = values
-    return out
+@dataclass
+class Parsed:
+    """A rank's timeline, its annotation ranges (name, tid, ts_us, dur_us; timestamps as the timeline's), and its
+    ops' `Record function id`s (what links an op to an execution trace)."""
+
+    timeline: trace.Timeline
+    annotations: pd.DataFrame
+    record_frame: pd.DataFrame  # index (op_id), record_id of every cpu_op
+
+    @property
+    def record_ids(self) -> dict[int, int]:
+        """op_id → the op's `Record function id`; built when asked (only an execution trace needs it)."""
+        return dict(zip(self.record_frame["index"].tolist(), self.record_frame["record_id"].tolist()))
 
 
 def _on_gpu(frame: pd.DataFrame) -> pd.Series:
@@ -75,13 +231,13 @@ def _keep_traced_steps(frame: pd.DataFrame) -> pd.DataFrame:
     """HTA's filter with two or more ProfilerStep ranges (`include_last_profiler_step=True`): GPU events whose
     launch is a CPU event of the trace, CPU events first after them. (HTA also bounds the CPU events by the last
     step's end, but compares shifted start times with an unshifted end, so that bound keeps every CPU event.)"""
-    gpu = _on_gpu(frame)
-    cpu = frame[~gpu]
-    if cpu.loc[cpu["name"].str.contains("ProfilerStep", na=False, regex=False), "name"].nunique() < 2:
+    gpu = _on_gpu(frame).to_numpy()
+    names = pd.Series(pd.unique(frame["name"].to_numpy()[~gpu]), dtype=object)
+    if names.str.contains("ProfilerStep", na=False, regex=False).sum() < 2:
         return frame
-    kernels = frame[gpu]
-    kernels = kernels[kernels["correlation"].isin(set(cpu["correlation"]))]
-    return pd.concat([kernels, cpu], axis=0)
+    correlation = frame["correlation"].to_numpy()
+    launched = gpu & np.isin(correlation, np.unique(correlation[~gpu]))
+    return pd.concat([frame[launched], frame[~gpu]], axis=0)
 
 
 def _index_correlation(frame: pd.DataFrame) -> None:
@@ -99,17 +255,24 @@ def _index_correlation(frame: pd.DataFrame) -> None:
     frame["index_correlation"] = values
 
 
-def parse_events(events: list, rank: int = 0) -> Parsed:
-    """The Timeline of one rank's decoded `traceEvents` (as `trace.load_timeline` builds it from the file), its
-    annotation ranges and its ops' record function ids."""
+def _symbols(frame: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
+    """Names and categories as ids into one symbol list, as HTA's frame holds them."""
+    text = pd.concat([frame["name"], frame["cat"]], ignore_index=True).astype(str)
+    codes, symbols = pd.factorize(text.to_numpy())
+    n = len(frame)
+    return frame.assign(name=codes[:n], cat=codes[n:]), list(symbols)
+
+
+def parse_events(events: EventColumns | list, rank: int = 0) -> Parsed:
+    """The Timeline of one rank's `traceEvents` (columns, or the decoded JSON list; as `trace.load_timeline` builds
+    it from the file), its annotation ranges and its ops' record function ids."""
     frame = _keep_traced_steps(events_frame(events))
     _index_correlation(frame)
-    symbols = list(dict.fromkeys([*frame["name"].astype(str), *frame["cat"].astype(str)]))
-    code = {s: i for i, s in enumerate(symbols)}
-    coded = frame.assign(name=frame["name"].astype(str).map(code), cat=frame["cat"].astype(str).map(code))
+    coded, symbols = _symbols(frame)
     ops, kernels, steps = trace._join_rank(rank, coded, symbols)
-    annotations = frame.loc[frame["cat"] == "user_annotation", ["name", "tid", "ts", "dur"]]
+    cats = frame["cat"].to_numpy()
+    annotations = frame.loc[cats == "user_annotation", ["name", "tid", "ts", "dur"]]
     annotations = annotations.rename(columns={"ts": "ts_us", "dur": "dur_us"}).reset_index(drop=True)
-    record = dict(zip(frame.loc[frame["cat"] == "cpu_op", "index"], frame.loc[frame["cat"] == "cpu_op", "record_id"]))
+    records = frame.loc[cats == "cpu_op", ["index", "record_id"]].reset_index(drop=True)
     timeline = trace.Timeline(device_kind="cuda" if len(kernels) else "cpu", ops=ops, kernels=kernels, steps=steps)
-    return Parsed(timeline=timeline, annotations=annotations, record_ids={int(k): int(v) for k, v in record.items()})
+    return Parsed(timeline=timeline, annotations=annotations, record_frame=records)

@@ -168,7 +168,7 @@ def self_time_top(profile: Path, n: int = 15) -> list[dict]:
 def machine() -> dict:
     """What the figures were measured on."""
     versions = {}
-    for dist in ("torch", "pandas", "numpy", "HolisticTraceAnalysis", "fusionscope"):
+    for dist in ("torch", "pandas", "numpy", "HolisticTraceAnalysis", "msgspec", "fusionscope"):
         try:
             versions[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:

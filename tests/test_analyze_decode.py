@@ -1,0 +1,147 @@
+"""The fast paths of `analyze` give what the plain ones give: msgspec's typed decode and the standard library's
+`json` (the fallback when msgspec is not installed) the same event frame and the same run folder, and `write_csv` the
+bytes pandas' `to_csv` writes."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from fusionscope import analyze, trace_events
+
+DATA = Path(__file__).resolve().parent / "data"
+TRACES = [
+    DATA / "tiny-llama-cuda.trace.json.gz",
+    DATA / "llama-3.2-1b-cuda.trace.json.gz",
+    *sorted((DATA / "traces").glob("*.trace.json*")),
+    DATA / "traces" / "gloo-2ranks" / "rank0.trace.json.gz",
+]
+
+
+def raw_bytes(path: Path) -> bytes:
+    return gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+
+
+@pytest.fixture
+def without_msgspec(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The image without msgspec: `trace_events` decodes with `json`."""
+    monkeypatch.setattr(trace_events, "msgspec", None)
+
+
+def test_fallback_decodes_with_json(without_msgspec: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    loads = json.loads
+    monkeypatch.setattr(trace_events.json, "loads", lambda raw: calls.append(len(raw)) or loads(raw))
+    doc = trace_events.decode(raw_bytes(TRACES[0]))
+    assert calls and calls[0] == len(raw_bytes(TRACES[0]))  # the whole document went through json
+    assert not doc.events.structs and len(doc.events) == len(json.loads(raw_bytes(TRACES[0]))["traceEvents"])
+
+
+@pytest.mark.parametrize("path", TRACES, ids=[p.name for p in TRACES])
+def test_both_decoders_give_one_frame(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("msgspec")
+    raw = raw_bytes(path)
+    fast = trace_events.decode(raw)
+    assert fast.events.structs  # msgspec decoded it
+    monkeypatch.setattr(trace_events, "msgspec", None)
+    plain = trace_events.decode(raw)
+    assert not plain.events.structs
+    assert (fast.device_properties, fast.distributed_info) == (plain.device_properties, plain.distributed_info)
+    pd.testing.assert_frame_equal(trace_events.events_frame(fast.events), trace_events.events_frame(plain.events))
+    listed = json.loads(raw)["traceEvents"]
+    pd.testing.assert_frame_equal(trace_events.events_frame(plain.events), trace_events.events_frame(listed))
+    assert fast.events.dicts() == plain.events.dicts()
+
+
+def test_argument_lists_are_shared_objects() -> None:
+    """msgspec's path decodes each distinct argument list once: equal shapes are one object, so later stages cache
+    per object."""
+    pytest.importorskip("msgspec")
+    frame = trace_events.events_frame(trace_events.decode(raw_bytes(TRACES[1])).events)
+    dims = frame.loc[frame["cat"] == "cpu_op", "input_dims"]
+    assert dims.map(repr).nunique() == dims.map(id).nunique() < len(dims)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 1, "dur": NaN, "tid": 1}]}',
+        b'{"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 1, "dur": 2, "args": [1]}]}',
+        b'\xef\xbb\xbf{"traceEvents": [{"ph": "X", "cat": "kernel", "ts": 1, "dur": 2, "args": {"stream": 7}}]}',
+        b'{"traceEvents": [1, {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 1.5, "dur": 2, "tid": 1}]}',
+    ],
+    ids=["nan-literal", "args-not-an-object", "byte-order-mark", "event-not-an-object"],
+)
+def test_what_msgspec_refuses_json_decodes(raw: bytes) -> None:
+    """JSON that msgspec's typed decoder refuses and `json` accepts decodes as `json` decodes it."""
+    doc = trace_events.decode(raw)
+    want = trace_events.from_json(json.loads(raw))
+    assert doc.events.dicts() == want.events.dicts()
+    pd.testing.assert_frame_equal(trace_events.events_frame(doc.events), trace_events.events_frame(want.events))
+
+
+def test_not_json_is_a_value_error() -> None:
+    with pytest.raises(ValueError):
+        trace_events.decode(b'{"traceEvents": [')
+
+
+def run_files(folder: Path) -> dict[str, bytes]:
+    return {name: (folder / name).read_bytes() for name in ("kernels.csv", "ops.csv", "opportunities.csv")}
+
+
+def test_run_folder_is_the_same_without_msgspec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole analysis, through the fast decoder (shared argument lists, identity caches) and through `json`
+    (a fresh list per event), writes the same tables and figures."""
+    pytest.importorskip("msgspec")
+    path = DATA / "tiny-llama-cuda.trace.json.gz"
+    fast = analyze.analyze(path, out=tmp_path / "fast")
+    monkeypatch.setattr(trace_events, "msgspec", None)
+    plain = analyze.analyze(path, out=tmp_path / "plain")
+    assert run_files(fast.out_dir) == run_files(plain.out_dir)
+    drop = ("created", "wall_s", "command")
+    assert {k: v for k, v in fast.summary.items() if k not in drop} == {
+        k: v for k, v in plain.summary.items() if k not in drop
+    }
+    assert fast.summary["opportunities"]  # the comparison covers the catalogue's matches
+
+
+def odd_frame() -> pd.DataFrame:
+    """Every kind of field `write_csv` formats itself: floats (NaN, inf, -0.0, tiny, large), ints, bools, and
+    object columns with missing values, floats, numpy scalars, nested lists, tuples, dicts and strings that need
+    quoting."""
+    return pd.DataFrame(
+        {
+            "f": [1.0, np.nan, np.inf, -0.0, 1e-300, 123456789.0],
+            "i": [1, -2, 3, 4, 5, 6],
+            "b": [True, False] * 3,
+            "o": [None, np.nan, 1.5, np.float64(2.5), [1, [2, 3]], 'a,"b"\nc'],
+            "s": ["", "x", " y", "z,", "é", "a\rb"],
+            "n": [pd.NA, pd.NaT, np.int64(4), (1, 2), {"a": 1}, np.float32(0.1)],
+            3: ['"', "'", "x\ny", "", "", ""],
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def tables() -> dict[str, pd.DataFrame]:
+    """The llama trace's kernel and op tables as `analyze` writes them, and frames of odd fields."""
+    facts, doc = analyze.parse_trace(DATA / "llama-3.2-1b-cuda.trace.json.gz")
+    parsed = analyze.parse_rank(facts, doc)
+    timeline, _missing = analyze.fill_steps_and_phases(parsed.timeline, parsed.annotations)
+    roofs, _roof_missing = analyze.resolve_roofs(facts.gpu_name, facts.device_kind, None)
+    kernels = analyze.classify(analyze.kernel_table(timeline), roofs)
+    return {"kernels": kernels, "ops": timeline.ops, "odd": odd_frame(), "empty": kernels.iloc[:0],
+            "one column": odd_frame()[["s"]], "categorical": odd_frame().astype({"s": "category"})}  # fmt: skip
+
+
+@pytest.mark.parametrize("which", ["kernels", "ops", "odd", "empty", "one column", "categorical"])
+def test_write_csv_is_pandas_to_csv(which: str, tables: dict[str, pd.DataFrame], tmp_path: Path) -> None:
+    frame = tables[which]
+    frame.to_csv(tmp_path / "pandas.csv", index=False, float_format="%.6g")
+    analyze.write_csv(frame, tmp_path / "fast.csv")
+    assert (tmp_path / "fast.csv").read_bytes() == (tmp_path / "pandas.csv").read_bytes()
