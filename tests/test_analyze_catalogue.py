@@ -103,12 +103,14 @@ def test_h200_traces_count_what_the_dataflow_finder_counts(name: str, layers: in
                                                            monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """Per step the dataflow finder counts, for a Llama of L layers with sdpa attention and greedy decoding: 2·L
     add + norm groups (every norm after a residual add, the final one too), 1 lone norm (layer 0's input norm), L
-    each of SwiGLU, rope (+ cache write), qkv and gate_up — as the catalogue sample run of llama-3.2-1b shows."""
+    each of SwiGLU, rope (+ cache write), qkv and gate_up — as the catalogue sample run of llama-3.2-1b shows — and
+    in decode steps L decode_attention."""
     monkeypatch.setenv("FUSIONSCOPE_CACHE_DIR", str(tmp_path / "cache"))
     sample = json.loads(SAMPLE_1B.read_text())
     reference = {(o["fusion"], o["phase"]): o["count"] for o in sample["opportunities"]}
     assert reference[("add_rms_norm", "decode")] == 32 and reference[("qkv", "prefill")] == 16  # L = 16
     expected = {key: n * layers / 16 if key[0] != "rms_norm" else n for key, n in reference.items()}
+    expected[("decode_attention", "decode")] = layers  # one query token's SDPA call per layer (after that sample)
     run = analyze(DATA / f"{name}.trace.json.gz", out=tmp_path / "run")
     got = {(o["fusion"], o["phase"]): o["count"] for o in run.summary["opportunities"]}
     assert got == expected
@@ -127,7 +129,8 @@ def test_inferred_groups_never_overlap() -> None:
     timeline, _missing = fill_steps_and_phases(trace.load_timeline(DATA / "llama-3.2-1b-cuda.trace.json.gz"))
     matches = find_matches(Graph(order_graph.infer_dataflow(timeline.ops, timeline.device_kind)))
     nodes = [n for m in matches for n in m.nodes]
-    assert len(nodes) == len(set(nodes)) and len(matches) == 5 * (32 + 1 + 4 * 16)
+    decode_steps = 2
+    assert len(nodes) == len(set(nodes)) and len(matches) == 5 * (32 + 1 + 4 * 16) + decode_steps * 16
 
 
 def test_execution_trace_gives_exact_edges_and_the_same_groups(tmp_path: Path) -> None:

@@ -174,7 +174,12 @@ def test_profile_reports_fusion_opportunities(tiny_run: Path) -> None:
         assert counts[("rms_norm", phase)] == 1
         assert counts[("silu_and_mul", phase)] == 2
     for opp in summary["opportunities"]:
-        assert opp["bytes_fused"] < opp["bytes_now"] and opp["launches_fused"] < opp["launches_now"]
+        if opp["fusion"] == "decode_attention":
+            # under eager's DynamicCache its group is the one SDPA call (GQA native, no mask): the same bytes and one
+            # op on a CPU; what it removes shows on a GPU (the backend's kernels) and under a static cache (--graphs)
+            assert opp["bytes_fused"] <= 1.001 * opp["bytes_now"] and opp["launches_fused"] <= opp["launches_now"]
+        else:
+            assert opp["bytes_fused"] < opp["bytes_now"] and opp["launches_fused"] < opp["launches_now"]
         assert opp["speedup_gpu"] is None and opp["speedup_wall"] >= 1  # CPU run: no GPU figures; never a loss
         if opp["fusion"] in ("add_rms_norm", "rms_norm", "rope"):  # elementwise: bytes saved on any CPU; a GEMM's
             assert opp["speedup_wall"] > 1  # fused time comes from the CPU's measured matmul roof, which load lowers
