@@ -381,6 +381,13 @@ def apply(
             "--graphs-only", help="with --graphs: time the eager model unpatched and all together only, not each fusion"
         ),
     ] = False,
+    graphs_together: Annotated[
+        bool,
+        typer.Option(
+            "--graphs-together",
+            help="with --graphs: capture the graph alone and fused + graph only, not each fusion + graph",
+        ),
+    ] = False,
     quantize: Annotated[
         str | None,
         typer.Option(
@@ -397,7 +404,8 @@ def apply(
                             out=out_dir, batch=batch, prompt_len=prompt_len, decode_steps=decode_steps, dtype=dtype,
                             device=device, warmup=warmup, remeasure=remeasure, sample=sample,
                             temperature=temperature, top_k=top_k, top_p=top_p, graphs=graphs,
-                            graphs_only=graphs_only, quantize=quantize)  # fmt: skip
+                            graphs_only=graphs_only, graphs_together=graphs_together,
+                            quantize=quantize)  # fmt: skip
     print_summary(run.summary)
     if quantization := run.summary["apply"].get("quantization"):
         from fusionscope.report.formatting import NUMERICS_CELLS, fmt_figure

@@ -140,6 +140,32 @@ def test_graphs_only_times_the_eager_model_unpatched_and_all_together(monkeypatc
         assert out["variants"][run.ALL_TOGETHER]["fusions"] == ["rope", "qkv"]
 
 
+@pytest.mark.parametrize("each", [True, False])
+def test_graphs_together_captures_the_graph_alone_and_fused_only(monkeypatch, each: bool) -> None:
+    """`--graphs-together` leaves out each fusion + graph; the graph alone and fused + graph stay, the sampler's
+    fusion takes no part in either way."""
+    from fusionscope.apply import run
+
+    captured: list[dict[str, list[str]]] = []
+
+    def fake_run_graphs(workload, variants, *args):
+        captured.append(dict(variants))
+        return {"variants": {}}
+
+    monkeypatch.setattr(graphs, "run_graphs", fake_run_graphs)
+    summary = {"phases": {"decode": {}}, "opportunities": []}
+    run.graph_variants(None, summary, ["rope", "qkv", "sampling"], None, None, None, {}, False, 1, lambda _: None,
+                       each, timing=None)  # fmt: skip
+    alone = {"rope + graph": ["rope"], "qkv + graph": ["qkv"]} if each else {}
+    assert captured == [{graphs.GRAPH: [], **alone, graphs.FUSED_GRAPH: ["rope", "qkv"]}]
+
+
+def test_graphs_together_without_graphs_is_one_line(tmp_path) -> None:
+    result = CliRunner().invoke(app, ["apply", "--graphs-together", "--out", str(tmp_path / "x")])
+    assert result.exit_code == 2 and "--graphs-together" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "x").exists()
+
+
 def test_graphs_only_without_graphs_is_one_line(tmp_path) -> None:
     result = CliRunner().invoke(app, ["apply", "--graphs-only", "--out", str(tmp_path / "x")])
     assert result.exit_code == 2 and "--graphs-only" in result.output and "Traceback" not in result.output

@@ -291,10 +291,17 @@ def attention_forward(shape: AttentionShape, modeling: ModuleType, parts: dict[s
         cos, sin = position_embeddings
         layer = static_layer(cache, self.layer_idx) if cache is not None and rope_and_cache is not None else None
         if layer is not None and layer.keys.dtype == query.dtype:
-            positions = torch.arange(query.shape[1], device=layer.keys.device) + layer.cumulative_length
-            layer.cumulative_length.add_(query.shape[1])
+            new_tokens = query.shape[1]
+            # One decode token's slot is the counter itself: a view, so no arange and add launch per layer
+            # (the counter advances after the kernel has read it).
+            counter = layer.cumulative_length
+            if new_tokens == 1:
+                positions = counter.view(1)
+            else:
+                positions = torch.arange(new_tokens, device=counter.device) + counter
             query = rope_and_cache(query.transpose(1, 2), key.transpose(1, 2), value, cos, sin, layer.keys,
                                    layer.values, positions)  # fmt: skip
+            counter.add_(new_tokens)
             key, value = layer.keys, layer.values
         else:
             rotate = rope or modeling.apply_rotary_pos_emb

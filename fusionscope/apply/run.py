@@ -83,13 +83,15 @@ def apply(
     top_p: float = 0.9,
     graphs: bool = False,
     graphs_only: bool = False,
+    graphs_together: bool = False,
     quantize: str | None = None,
     on_stage: Callable[[str], None] | None = None,
 ) -> ApplyRun:
     """Profile MODEL (or take `from_run`'s predictions), patch the fusions found (`fusions`: "all", "a,b" or a list),
     check numerics, measure `repeats` interleaved rounds (`graphs`: also the decode step in a CUDA graph, beside
     torch.compile, Liger and the weight-streaming floor; `graphs_only`: with `graphs`, the eager model is timed
-    unpatched and with all passing fusions only, not each fusion alone), and write the run folder. Returns an
+    unpatched and with all passing fusions only, not each fusion alone; `graphs_together`: with `graphs`, the graph
+    alone and fused + graph are captured, not each fusion + graph), and write the run folder. Returns an
     `ApplyRun`.
 
     `quantize` ("w4", "w4:<group>", "w4:channel") first quantises the model's Linears to int4 (not the embedding or
@@ -106,6 +108,8 @@ def apply(
         raise UsageError("--graphs measures the decode step: give --decode-steps ≥ 1")
     if graphs_only and not graphs:
         raise UsageError("--graphs-only narrows what --graphs measures in eager mode: give --graphs too")
+    if graphs_together and not graphs:
+        raise UsageError("--graphs-together narrows which graphs --graphs captures: give --graphs too")
     note = on_stage or (lambda _msg: None)
     t_start = time.perf_counter()
     earlier = load_run(from_run) if from_run is not None else None
@@ -166,7 +170,9 @@ def apply(
             raise UsageError(f"--graphs needs a generation model with a decode phase; {spec.name} has none")
         if quantized:
             summary["quantize"] = quantized["report"]
-        summary["apply"] = run_apply(workload, summary, wanted, repeats, tmp, note, graphs, graphs_only)
+        summary["apply"] = run_apply(
+            workload, summary, wanted, repeats, tmp, note, graphs, graphs_only, graphs_together
+        )
         if quantized:
             summary["apply"]["quantization"] = {
                 "spec": quantize.strip(),
@@ -259,9 +265,11 @@ def run_apply(
     note: Callable[[str], None],
     graphs: bool = False,
     graphs_only: bool = False,
+    graphs_together: bool = False,
 ) -> dict:
     """The apply stages on a built workload; returns `summary["apply"]`. `graphs_only`: the eager model is timed
-    unpatched and with all passing fusions only, not each fusion alone (what `--graphs` needs, in less time)."""
+    unpatched and with all passing fusions only, not each fusion alone (what `--graphs` needs, in less time);
+    `graphs_together`: no fusion + graph of one fusion alone, only the graph alone and fused + graph."""
     import torch
 
     from fusionscope.apply import numerics
@@ -359,7 +367,8 @@ def run_apply(
         "timing_note": "",
         "rows": [],
     }
-    graph_args = (workload, summary, passing, enter, ref, ref32, eager_raw, real_weights, repeats, note)
+    graph_args = (workload, summary, passing, enter, ref, ref32, eager_raw, real_weights, repeats, note,
+                  not graphs_together)  # fmt: skip
     if not gpu:
         result["timing_note"] = (
             "not measured: on a CPU the kernels run in the Triton interpreter, so a timing "
@@ -392,20 +401,21 @@ def run_apply(
 
 def graph_variants(workload: Any, summary: dict, passing: list[str], enter: Callable[[list[str]], Any], ref: Any,
                    ref32: Any, eager_raw: dict, real_weights: bool, repeats: int, note: Callable[[str], None],
-                   timing: dict | None) -> dict:  # fmt: skip
-    """`apply --graphs`: the graph alone, each passing fusion + graph, and fused + graph (every passing fusion: under
-    a graph the host cost that can make a fusion slower in eager mode is gone, and each fusion + graph is measured
-    on its own beside it), beside the peers (`graphs.run_graphs`), with the step model's predictions: a graph alone
-    removes `cuda_graph_share_unfused` of the eager step, a graph after the fusions `cuda_graph_share` of the fused
-    step, so fused + graph runs at the fused GPU time and its gain over the graph alone is the all-together GPU
-    speedup. Greedy decoding (a graph step picks by argmax), so the sampling fusion takes no part."""
+                   each: bool, timing: dict | None) -> dict:  # fmt: skip
+    """`apply --graphs`: the graph alone, each passing fusion + graph (unless `each` is False), and fused + graph
+    (every passing fusion: under a graph the host cost that can make a fusion slower in eager mode is gone, and each
+    fusion + graph is measured on its own beside it), beside the peers (`graphs.run_graphs`), with the step model's
+    predictions: a graph alone removes `cuda_graph_share_unfused` of the eager step, a graph after the fusions
+    `cuda_graph_share` of the fused step, so fused + graph runs at the fused GPU time and its gain over the graph
+    alone is the all-together GPU speedup. Greedy decoding (a graph step picks by argmax), so the sampling fusion
+    takes no part."""
     from fusionscope.apply import graphs
 
     together = [f for f in passing if f != "sampling"]
     eager_ms = None
     if timing is not None:
         eager_ms = timing["variants"][BASELINE]["phases"].get("decode", {}).get("wall_ms")
-    variants = {graphs.GRAPH: [], **{f"{f} + graph": [f] for f in together}}
+    variants = {graphs.GRAPH: [], **{f"{f} + graph": [f] for f in together if each}}
     if together:
         variants[graphs.FUSED_GRAPH] = together
     out = graphs.run_graphs(workload, variants, enter, ref, ref32, eager_raw, real_weights, repeats,

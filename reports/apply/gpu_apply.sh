@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU evidence for `fusionscope apply`: run on the H200 from the repository root with
 #   source .gpu/boot.sh && bash reports/apply/gpu_apply.sh "$OUT" SET
-# SET picks the runs, comma-separated (each a `fusionscope apply` command line, bf16): see the case list below. Each run's terminal
+# SET picks the runs, comma-separated (each a `fusionscope apply` command line, bf16): see the case list below;
+# `agree` adds `analyze` of the first run's trace compared with its profile (reports/analyze/agree.py). Each run's terminal
 # output, summary.json, apply.csv and opportunities.csv (and report.html for the first run of a set) are packed into
 # $OUT/apply-<SET>.tgz as they finish, so a call stopped at its time limit still returns what was done.
 set -uo pipefail
@@ -28,11 +29,11 @@ for one in ${set_name//,/ }; do
                   "mistral-7b --prompt-len 512 --decode-steps 32 --repeats 3") ;;
     graphs1b) runs+=("llama-3.2-1b --prompt-len 128 --decode-steps 16 --repeats 2 --graphs") ;;
     graphs8b) runs+=("llama-3.1-8b --prompt-len 512 --decode-steps 64 --repeats 5 --graphs --graphs-only") ;;
-    graphs8b16) runs+=("llama-3.1-8b --batch 16 --prompt-len 512 --decode-steps 64 --repeats 3 --graphs --graphs-only") ;;
-    graphsqwen) runs+=("qwen2.5-7b --prompt-len 512 --decode-steps 64 --repeats 3 --graphs --graphs-only") ;;
-    graphsgemma) runs+=("gemma-2-2b --prompt-len 512 --decode-steps 64 --repeats 3 --graphs --graphs-only") ;;
+    graphs8b16) runs+=("llama-3.1-8b --batch 16 --prompt-len 512 --decode-steps 64 --repeats 3 --graphs --graphs-only --graphs-together") ;;
+    graphsqwen) runs+=("qwen2.5-7b --prompt-len 512 --decode-steps 64 --repeats 3 --graphs --graphs-only --graphs-together") ;;
+    graphsgemma) runs+=("gemma-2-2b --prompt-len 512 --decode-steps 64 --repeats 3 --graphs --graphs-only --graphs-together") ;;
     mistral) runs+=("mistral-7b --prompt-len 512 --decode-steps 32 --repeats 3") ;;
-    tests|host|silu|w4a16|dabench) ;;
+    tests|host|silu|w4a16|dabench|agree) ;;
     *) echo "unknown set $one"; exit 2 ;;
   esac
 done
@@ -89,4 +90,12 @@ for run in "${runs[@]}"; do
   first=0
   pack
 done
+if [[ ",$set_name," == *",agree,"* ]] && [ ${#runs[@]} -gt 0 ]; then
+  # `analyze` of the first run's own trace against what its profile reported (reports/analyze/agree.py).
+  name=${runs[0]%% *}
+  first_folder=$(find "$work" -maxdepth 1 -type d -name "$name*" | head -1)
+  (cd "$work" && timeout 240 python3 "$repo/reports/analyze/agree.py" "$work/agree" "$first_folder") 2>&1 | tail -40
+  cp "$work/agree/agree.json" "$out/agree.json" 2>/dev/null
+  cp "$work/agree/agree.log" "$out/agree.log" 2>/dev/null
+fi
 ls -la "$out"
