@@ -208,3 +208,32 @@ def test_a_graph_that_would_roll_a_sliding_window_is_refused_with_its_reason() -
     decoder = graphs.StaticDecoder(model, ids, 6)
     decoder.prefill()
     assert graphs.window_overrun(decoder.cache, 18) == ""
+
+
+def test_a_sliding_window_layer_reports_its_length_as_the_device_counter() -> None:
+    """Gemma-2 takes its decode positions and sliding mask offset from `get_seq_length()`; a sliding-window layer's
+    own answer is a Python int, which a captured graph would freeze. The static cache made here answers with the
+    layer's device counter, which advances with every write, the same number as transformers' int."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                          head_dim=16, intermediate_size=64, vocab_size=97, sliding_window=64,
+                          query_pre_attn_scalar=16)  # fmt: skip
+    model = Gemma2ForCausalLM(config).eval()
+    ids = torch.randint(0, 97, (1, 5), generator=torch.Generator().manual_seed(0))
+    decoder = graphs.StaticDecoder(model, ids, decode_steps=3)
+    sliding = [layer for layer in decoder.cache.layers if layer.is_sliding]
+    assert sliding and len(sliding) < len(decoder.cache.layers)  # one of each kind
+    decoder.prefill()
+    for step in range(3):
+        for layer in decoder.cache.layers:
+            length = layer.get_seq_length()
+            assert isinstance(length, torch.Tensor) and int(length) == 5 + step
+            assert int(length) == getattr(layer, "cumulative_length_int", int(length))
+        decoder.step()
+    assert isinstance(type(sliding[0])(max_cache_len=8, sliding_window=4).get_seq_length(), int)  # class untouched
+    rolling = graphs.static_cache(model, max_len=100)  # a window of 64 rows would roll: its layers keep the int
+    assert all("get_seq_length" not in vars(layer) for layer in rolling.layers)
+    assert ["get_seq_length" in vars(layer) for layer in decoder.cache.layers] == [
+        layer.is_sliding for layer in decoder.cache.layers
+    ]
