@@ -22,6 +22,7 @@ import gzip
 import io
 import json
 import shutil
+import tempfile
 import time
 import zlib
 from collections import Counter
@@ -34,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from fusionscope import analysis, datasheets, opportunities, ranks, roofline, trace_events
+from fusionscope import analysis, datasheets, merged_ranks, opportunities, ranks, roofline, trace_events
 from fusionscope.errors import UsageError
 from fusionscope.execution_trace import ET_SUFFIXES
 from fusionscope.run import (
@@ -90,12 +91,17 @@ def analyze(
     `device` names the GPU whose roofs classify the kernels (default: the one the trace names); `"cpu"` takes this
     machine's CPU roofs for a CPU-only trace. `execution_trace` is PyTorch's execution trace of the same run (found
     on its own when named `<trace name>.et.json[.gz]` beside the trace): its tensor identities give the catalogue
-    exact dataflow. A folder or a list of files is a multi-rank trace (`analyze_ranks`). Bad input is a UsageError
+    exact dataflow. A folder or a list of files is a multi-rank trace (`analyze_ranks`), and so is one file that a
+    merge tool filled with several ranks' events (`merged_ranks`). Bad input is a UsageError
     before anything is written."""
     t_start = time.perf_counter()
     with collector_paused():  # the whole run: its millions of small objects hold no cycles (`collector_paused`)
         if isinstance(path, list | tuple) or Path(path).is_dir():
             return analyze_ranks(path, out, device, on_stage)
+        with tempfile.TemporaryDirectory(prefix="fusionscope-ranks-") as split_dir:
+            files = merged_ranks.split(Path(path), Path(split_dir))
+            if files is not None:  # one file holding several ranks (a merged trace): analysed as they were
+                return analyze_ranks(files, out, device, on_stage, merged_from=Path(path))
         return _analyze_file(Path(path), out, device, on_stage, execution_trace, t_start)
 
 
@@ -583,16 +589,18 @@ def analyze_ranks(
     out: str | Path | None = None,
     device: str | None = None,
     on_stage: Callable[[str], None] | None = None,
+    merged_from: Path | None = None,
 ) -> Run:
     """Analyse a folder of per-rank traces (its `.json`/`.json.gz` files) or a list of trace files: each rank as
     `analyze` analyses one file, then the cross-rank figures. kernels.csv and ops.csv hold every rank (`rank`
     column); `phases` and `opportunities` are the lowest rank's, `ranks` every rank's. Refused before anything is
-    written: a folder without traces, ranks that ran on different devices, two files claiming the same rank."""
+    written: a folder without traces, ranks that ran on different devices, two files claiming the same rank.
+    `merged_from`: the files are the ranks split out of this one merged trace (its name names the run)."""
     t_start = time.perf_counter()
     note = on_stage or (lambda _msg: None)
     files = rank_files(paths)
     traces = check_ranks([read_rank(f) for f in files])
-    name = ranks_name(paths, files)
+    name = trace_name(merged_from) if merged_from is not None else ranks_name(paths, files)
     out_dir = Path(out) if out is not None else default_out_dir(name)
     check_out_dir(out_dir)
     first = traces[0]
@@ -611,6 +619,10 @@ def analyze_ranks(
     note("cross-rank figures (and HTA's idle time and launch statistics)")
     summary = summaries[first.rank]
     summary["ranks"] = ranks_summary(traces, summaries)
+    if merged_from is not None:  # the split files are temporary: each rank's events came from the merged file
+        summary["ranks"]["merged_from"] = str(merged_from.resolve())
+        for entry in [*summary["ranks"]["files"].values(), summary["trace"]]:
+            entry["path"] = summary["ranks"]["merged_from"]
     note("writing the tables")
     with staged_dir(out_dir) as tmp:
         write_tables(tmp, kernels, ops)

@@ -254,3 +254,37 @@ def test_execution_traces_in_a_folder_are_not_ranks(tmp_path: Path) -> None:
     (folder / "rank0.et.json").write_text('{"schema": "1.1.1", "nodes": []}')
     run = analyze(folder, out=tmp_path / "run")
     assert run.summary["ranks"]["count"] == 2
+
+
+# --- one file holding several ranks ----------------------------------------------------------------------------
+
+MERGED = DATA / "traces" / "gloo-2ranks-merged.trace.json.gz"
+
+
+def test_a_merged_file_splits_back_into_each_ranks_own_trace(tmp_path: Path) -> None:
+    """TraceFuse's offsets undone: each rank's events come back with the ids its process wrote and nothing else."""
+    from fusionscope import merged_ranks
+
+    files = merged_ranks.split(MERGED, tmp_path)
+    assert files is not None and [f.name for f in files] == ["rank0.trace.json.gz", "rank1.trace.json.gz"]
+    for rank, file in enumerate(files):
+        with gzip.open(file, "rt") as f:
+            doc = json.load(f)
+        assert doc["distributedInfo"]["rank"] == rank
+        assert doc["traceEvents"] == events_of(GLOO / f"rank{rank}.trace.json.gz")
+    assert merged_ranks.split(GLOO / "rank0.trace.json.gz", tmp_path / "plain") is None  # one rank: left alone
+
+
+def test_analyze_takes_a_merged_file_as_the_folder_of_its_ranks(tmp_path: Path) -> None:
+    """Per-rank figures, the cross-rank section and the catalogue come out as for the two rank files; the run is
+    named after the merged file, which every rank's path points to."""
+    folder = analyze(GLOO, out=tmp_path / "folder").summary
+    merged = analyze(MERGED, out=tmp_path / "merged").summary
+    assert merged["ranks"]["count"] == 2 and merged["ranks"]["merged_from"] == str(MERGED.resolve())
+    assert merged["ranks"]["phases"] == folder["ranks"]["phases"]
+    for key in ("steps", "straggler"):
+        assert merged["ranks"].get(key) == folder["ranks"].get(key), key
+    assert merged["phases"] == folder["phases"] and merged["opportunities"] == folder["opportunities"]
+    assert {e["path"] for e in merged["ranks"]["files"].values()} == {str(MERGED.resolve())}
+    assert merged["model"]["name"] == "gloo-2ranks-merged"
+    assert (tmp_path / "merged" / "trace-rank1.json.gz").is_file()

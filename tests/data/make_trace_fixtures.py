@@ -8,6 +8,10 @@ would capture it (no fusionscope phases, no module ranges).
   each profiling 4 steps (after 2 warm-up ones) of matmul + all_reduce; rank 1 runs 12x the matmuls per step, so
   it is the straggler and rank 0 waits for it inside the all_reduce. torch writes `distributedInfo.rank` once the
   process group is initialised.
+- `traces/gloo-2ranks-merged.trace.json.gz`: the two rank files above merged into one, as TraceLens' TraceFuse
+  merges ranks for one Perfetto view: every event tagged `args.rank`, `pid`, `id`, `correlation` and the kernel
+  linking key (`External id`) offset by rank × a power of ten above the largest value, each original kept as
+  `args["<field>_raw"]`, no `distributedInfo`.
 - `traces/llama-et.trace.json.gz` and `traces/llama-et.et.json.gz`: a 2-layer Llama (hidden 64, 4 heads, 2 KV heads,
   random weights, bf16) run as a program of its own would run it — a prefill of 8 tokens, then 2 decode steps with
   its KV cache, each step a `ProfilerStep#N` range — with `nn.Module: <path>` ranges (fusionscope's module hooks)
@@ -23,6 +27,7 @@ Run from the repository root: `.venv/bin/python tests/data/make_trace_fixtures.p
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import shutil
 import socket
@@ -93,6 +98,35 @@ def _gloo_rank(rank: int, world: int, port: int, folder: Path, steps: int) -> No
             prof.step()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def merged_ranks(folder: Path, path: Path) -> None:
+    """The rank files of `folder` merged into `path` the way TraceFuse merges them (see the module docstring)."""
+    docs = {}
+    for file in sorted(folder.glob("rank*.trace.json.gz")):
+        with gzip.open(file, "rt") as f:
+            doc = json.load(f)
+        docs[doc["distributedInfo"]["rank"]] = doc
+    fields = ("pid", "id", "correlation")
+    largest = max(abs(v) for d in docs.values() for e in d["traceEvents"]
+                  for v in [*(e.get(k) for k in fields), (e.get("args") or {}).get("External id")]
+                  if isinstance(v, int))  # fmt: skip
+    multiplier = 10 ** (len(str(largest)) + 1)
+    events = []
+    for rank, doc in sorted(docs.items()):
+        for event in doc["traceEvents"]:
+            event = dict(event, args=dict(event.get("args") or {}, rank=rank))
+            for field in fields:
+                if isinstance(event.get(field), int):
+                    event["args"][f"{field}_raw"] = event[field]
+                    event[field] += rank * multiplier
+            if isinstance(event["args"].get("External id"), int):
+                event["args"]["External id_raw"] = event["args"]["External id"]
+                event["args"]["External id"] += rank * multiplier
+            events.append(event)
+    header = {k: v for k, v in docs[min(docs)].items() if k not in ("traceEvents", "distributedInfo")}
+    with gzip.open(path, "wt", compresslevel=9) as f:
+        json.dump({**header, "traceEvents": events}, f)
 
 
 def tiny_llama() -> tuple[nn.Module, torch.Tensor]:
@@ -166,6 +200,7 @@ def main() -> None:
     with_steps(TRACES / "cpu-steps.trace.json.gz")
     plain(TRACES / "cpu-plain.trace.json")
     gloo_ranks(TRACES / "gloo-2ranks")
+    merged_ranks(TRACES / "gloo-2ranks", TRACES / "gloo-2ranks-merged.trace.json.gz")
     with_execution_trace(TRACES)
     training(TRACES / "train-steps.trace.json.gz")
     for path in sorted(p for p in TRACES.rglob("*") if p.is_file()):
