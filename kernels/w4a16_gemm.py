@@ -53,7 +53,7 @@ At decode sizes a call is a weight-streaming problem; what limits a kernel is by
 weight, not FLOPs. The schedule measured on the H200 on 2026-12-01 (`SHIPPED_BEFORE`: 16-row MMA tiles, 64 columns, 8
 dots with K = 16 per 128-block) read at 25–37% of the copy bandwidth at M = 1–16 whatever its tiles: for one row the
 MMA does 16× the needed work and each plane's operand goes through a layout conversion.
-- gemv (M ≤ 4, `_w4a16_gemv_kernel`): CUDA cores, no tl.dot. A program owns BLOCK_N columns (256: each of the 16 rows
+- gemv (M = 1, `_w4a16_gemv_kernel`): CUDA cores, no tl.dot. A program owns BLOCK_N columns (256: each of the 16 rows
   of a block's slab is a 1 KiB contiguous run of `qweight`) and a range of 128-blocks along K; it keeps one (16,
   BLOCK_N) fp32 accumulator per row of x (BLOCK_M ≤ 4 rows per program, each weight dequantised once for all of
   them) and sums the 16 slab rows only at the end, so nothing in the loop leaves the slab's register layout.
@@ -65,7 +65,7 @@ MMA does 16× the needed work and each plane's operand goes through a layout con
   their bf16 → fp32 and addressing, shared by BLOCK_N / 32 columns per thread). At 132 SMs issuing 128 per clock at
   1.98 GHz that is 10–14 µs for 4096 × 14336 against ~7 µs for its 30.8 MB at 4.4 TB/s: issue, not bandwidth, may
   be the limit at M = 1, more so at M = 4 (one FFMA per row); the sweep measures it.
-- decode (5 ≤ M ≤ 16) and prefill (M > 16, `_w4a16_mma_kernel`): tensor cores, the dequantisation inside the K loop.
+- decode (2 ≤ M ≤ 16) and prefill (M > 16, `_w4a16_mma_kernel`): tensor cores, the dequantisation inside the K loop.
   UNPACK "tile" unpacks a whole (16·BLOCK_K/128, BLOCK_N) slab at once: viewed as (blocks, 1, 16, BLOCK_N) and
   shifted by the 8 nibble offsets it is (blocks, 8, 16, BLOCK_N), whose first three dims merge into BLOCK_K inputs in
   their natural order (input 128·b + 16·j + r), so each step is one dot with K = BLOCK_K ≥ 128 against a contiguous
@@ -77,9 +77,13 @@ MMA does 16× the needed work and each plane's operand goes through a layout con
   max_split); the splits write fp32 partial sums to a workspace the public function allocates with the output
   ((splits, M, N) fp32, the same size every call of a shape), and a second launch adds them in a fixed order
   (deterministic), adds the bias and rounds once.
-The shipped tiles are first choices checked in the interpreter and compiled for sm_90 (registers, spills, shared
-memory), **not yet measured on a GPU**: `reports/w4a16/gpu_w4a16.py sweep` times them against `SHIPPED_BEFORE`, bf16
-cuBLAS and the other candidates (reports/w4a16/README.md).
+The shipped tiles are the sweep's best on the H200 (2026-12-02 11:48, `reports/w4a16/w4a16_sweep_1148.*`: 23
+schedules, each checked against float64, then timed against bf16 cuBLAS with L2-cold weights on Llama-3-8B's three
+projection shapes): M = 1 the GEMV with 128 columns and 256 inputs per step, 4 warps, no prefetch (10.1 / 25.0 /
+25.2 µs: 1.27× faster than bf16 cuBLAS by geometric mean, at 21–29% of the read roof — issue-bound, as counted
+above); M = 4 and 16 the tile-unpacking MMA with 16 × 64 × 128 tiles (≈ bf16 cuBLAS, 0.99–1.01×; the GEMV at M = 4
+was 0.56–0.65×); M = 4096 256 × 128 × 128 with 8 warps and 2 stages (0.52× bf16 cuBLAS; the schedule before 0.35×).
+M from 17 to 256 keeps an unmeasured first choice.
 """
 
 from __future__ import annotations
@@ -676,17 +680,17 @@ def _split_sum_kernel(
 #   partial sums that a second launch adds in a fixed order.
 # - UNPACK (mma): "tile", one dot with K = BLOCK_K per step; "planes", 8 dots with K = 16 per 128-block (the schedule
 #   measured on the H200 on 2026-12-01). GROUP_M (mma): grouped tile order. num_warps, num_stages: Triton's.
-# These are first choices, not yet measured on a GPU (reports/w4a16/README.md): `reports/w4a16/gpu_w4a16.py sweep`
-# times them against the alternatives. SHIPPED_BEFORE is the schedule measured on 2026-12-01, kept as the sweep's
+# gemv, decode and large are the best of `reports/w4a16/gpu_w4a16.py sweep` on the H200 (2026-12-02; small is a first
+# choice, unmeasured). SHIPPED_BEFORE is the schedule measured on 2026-12-01, kept as the sweep's
 # baseline and as a setting (`TILES.update(SHIPPED_BEFORE)` restores it).
 TILES = Tunables(
-    gemv=(4, {"KERNEL": "gemv", "BLOCK_M": 4, "BLOCK_N": 256, "BLOCK_K": 128, "SPLIT_K": 0, "num_warps": 8,
-              "num_stages": 1, "PREFETCH": True}),
-    decode=(16, {"KERNEL": "mma", "UNPACK": "tile", "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 0,
-                 "GROUP_M": 1, "num_warps": 4, "num_stages": 4}),
+    gemv=(1, {"KERNEL": "gemv", "BLOCK_M": 1, "BLOCK_N": 128, "BLOCK_K": 256, "SPLIT_K": 0, "num_warps": 4,
+              "num_stages": 1, "PREFETCH": False}),
+    decode=(16, {"KERNEL": "mma", "UNPACK": "tile", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 0,
+                 "GROUP_M": 1, "num_warps": 4, "num_stages": 3}),
     small=(256, {"KERNEL": "mma", "UNPACK": "tile", "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1,
                  "GROUP_M": 8, "num_warps": 8, "num_stages": 3}),
-    large=(None, {"KERNEL": "mma", "UNPACK": "tile", "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "SPLIT_K": 1,
+    large=(None, {"KERNEL": "mma", "UNPACK": "tile", "BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1,
                   "GROUP_M": 8, "num_warps": 8, "num_stages": 2}),
 )  # fmt: skip
 SHIPPED_BEFORE = {

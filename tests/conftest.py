@@ -20,3 +20,17 @@ DATA = REPO / "tests" / "data"
 def _isolated_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """Roofs are cached per session in a temporary folder, never in the user's cache."""
     monkeypatch.setenv("FUSIONSCOPE_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "fusionscope-cache"))
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> tuple:
+    """(fp32 SmolLM2-135M with its real weights, its tokenizer), loaded once per session: the GGUF file is dequantised
+    on every load (~25 s on a 2-core CPU). Shared by every test that takes it: a test that changes the model (casts,
+    quantises) works on `fusionscope.apply.numerics.fp32_copy` of it, and undoes its patches before it ends."""
+    from transformers import AutoTokenizer
+
+    from fusionscope.models import build_workload, resolve_model
+
+    spec = resolve_model("smollm2-135m")
+    model = build_workload(spec, torch.device("cpu"), torch.float32, prompt_len=16, decode_steps=1).module
+    return model, AutoTokenizer.from_pretrained(str(spec.path), gguf_file=spec.weights)

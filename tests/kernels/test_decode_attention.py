@@ -14,10 +14,9 @@ from fusionscope.kernels.decode_attention import (
 )
 from fusionscope.kernels.tolerances import assert_close
 
-from tests.kernels.conftest import device, poisoned, randn
+from tests.kernels.conftest import DTYPES, device, poisoned, randn
 
 HUGE = 1e4  # fills the cache rows past `length`: one of them in the softmax or the sum would swamp the result
-HEADS = pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (6, 6), (8, 1)], ids=["gqa", "mha", "mqa"])
 SPLITS = pytest.mark.parametrize("splits", [1, 3], ids=["one-split", "three-splits"])
 
 
@@ -74,9 +73,18 @@ def check(
     return got
 
 
-@HEADS
-@SPLITS
-@pytest.mark.parametrize("n", [20, 37, 1], ids=["partial", "full", "first-token"])
+# Every head layout × split count × length, the dtype rotating over the three lengths so that each (layout, splits)
+# pair meets all three dtypes: 18 cases of the 54 in the full product (the interpreter costs per program and op).
+MATCH_CASES = [
+    pytest.param(heads, kv_heads, splits, n, DTYPES[(i + j + k) % 3],
+                 id=f"{str(DTYPES[(i + j + k) % 3]).removeprefix('torch.')}-{length}-{split_id}-{layout}")
+    for i, (heads, kv_heads, layout) in enumerate([(4, 2, "gqa"), (6, 6, "mha"), (8, 1, "mqa")])
+    for j, (splits, split_id) in enumerate([(1, "one-split"), (3, "three-splits")])
+    for k, (n, length) in enumerate([(20, "partial"), (37, "full"), (1, "first-token")])
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "splits", "n", "dtype"), MATCH_CASES)
 def test_matches_fp64_reference(
     heads: int, kv_heads: int, splits: int, n: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -89,26 +97,30 @@ def test_matches_fp64_reference(
     check(q, k, v, _length(n), splits, out=poisoned((b, 1, heads, d), dtype))
 
 
+BF16, FP16 = torch.bfloat16, torch.float16
+
+
 @pytest.mark.parametrize(
-    ("b", "heads", "kv_heads", "d", "n", "splits"),
+    ("b", "heads", "kv_heads", "d", "n", "splits", "dtype"),
     [
-        (1, 4, 2, 128, 50, 1),
-        (3, 4, 2, 128, 77, 5),
-        (3, 8, 1, 64, 48, 2),  # length ends on a split boundary: the second split is empty
-        (1, 6, 6, 128, 1, 5),
-        (2, 4, 2, 32, 41, 5),
-        (2, 6, 2, 80, 77, 3),  # D = 80 masked to a 128-wide block
+        (1, 4, 2, 128, 50, 1, BF16),
+        (3, 4, 2, 128, 77, 5, FP16),
+        (3, 8, 1, 64, 48, 2, BF16),  # length ends on a split boundary: the second split is empty
+        (1, 6, 6, 128, 1, 5, FP16),
+        (2, 4, 2, 32, 41, 5, BF16),
+        (2, 6, 2, 80, 77, 3, FP16),  # D = 80 masked to a 128-wide block
     ],
+    ids=str,
 )
 def test_batches_head_dims_and_long_caches(
-    b: int, heads: int, kv_heads: int, d: int, n: int, splits: int, monkeypatch: pytest.MonkeyPatch
+    b: int, heads: int, kv_heads: int, d: int, n: int, splits: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """S_max = 77 (odd, 5 tiles of 16), B up to 3, D 32 / 64 / 80 / 128, bf16 and fp16."""
+    """S_max = 77 (odd, 5 tiles of 16), B up to 3, D 32 / 64 / 80 / 128, each case in bf16 or fp16 (not both: the
+    dtypes meet every head layout and length in test_matches_fp64_reference)."""
     monkeypatch.setitem(SCHEDULE, "splits", splits)
-    for dtype in (torch.bfloat16, torch.float16):
-        q = _query(b, heads, d, dtype)
-        k, v = _caches(b, kv_heads, 77, d, n, dtype)
-        check(q, k, v, _length(n), splits)
+    q = _query(b, heads, d, dtype)
+    k, v = _caches(b, kv_heads, 77, d, n, dtype)
+    check(q, k, v, _length(n), splits)
 
 
 @pytest.mark.parametrize("dot_from_group", [2, 99], ids=["dot", "multiply-sum"])
