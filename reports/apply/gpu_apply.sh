@@ -2,7 +2,8 @@
 # The GPU evidence for `fusionscope apply`: run on the H200 from the repository root with
 #   source .gpu/boot.sh && bash reports/apply/gpu_apply.sh "$OUT" SET
 # SET picks the runs, comma-separated (each a `fusionscope apply` command line, bf16): see the case list below;
-# `agree` adds `analyze` of the first run's trace compared with its profile (reports/analyze/agree.py). Each run's terminal
+# `agree` adds `analyze` of the first run's trace compared with its profile (reports/analyze/agree.py), `w4a16apply`
+# `apply --quantize w4 --graphs` (reports/w4a16/gpu_apply_w4a16.py). Each run's terminal
 # output, summary.json, apply.csv and opportunities.csv (and report.html for the first run of a set) are packed into
 # $OUT/apply-<SET>.tgz as they finish, so a call stopped at its time limit still returns what was done.
 set -uo pipefail
@@ -33,7 +34,7 @@ for one in ${set_name//,/ }; do
     graphsqwen) runs+=("qwen2.5-7b --prompt-len 512 --decode-steps 64 --repeats 3 --graphs --graphs-only --graphs-together") ;;
     graphsgemma) runs+=("gemma-2-2b --prompt-len 512 --decode-steps 64 --repeats 3 --graphs --graphs-only --graphs-together") ;;
     mistral) runs+=("mistral-7b --prompt-len 512 --decode-steps 32 --repeats 3") ;;
-    tests|host|silu|w4a16|dabench|agree) ;;
+    tests|host|silu|w4a16|w4a16apply|dabench|agree) ;;
     *) echo "unknown set $one"; exit 2 ;;
   esac
 done
@@ -61,6 +62,13 @@ fi
 if [[ ",$set_name," == *",w4a16,"* ]]; then
   # The W4A16 kernel checked and timed against dequant + cuBLAS and bf16 cuBLAS (reports/w4a16/).
   (cd "$work" && timeout 210 python3 "$repo/reports/w4a16/gpu_w4a16.py" "$out") 2>&1 | tail -40
+fi
+
+if [[ ",$set_name," == *",w4a16apply,"* ]]; then
+  # apply --quantize w4 --graphs on llama-3.2-1b and llama-3.1-8b beside the bf16 8B (reports/w4a16/README.md).
+  (cd "$work" && timeout 250 python3 "$repo/reports/w4a16/gpu_apply_w4a16.py" "$work/w4a16apply") 2>&1 | tail -40
+  cp "$work/w4a16apply/w4a16_apply.json" "$out/" 2>/dev/null
+  (cd "$work/w4a16apply" && tar czf "$out/w4a16apply.tgz" --exclude='*.html' --exclude='*.json.gz' .) 2>/dev/null
 fi
 
 if [[ ",$set_name," == *",dabench,"* ]]; then
