@@ -420,6 +420,9 @@ def graph_variants(workload: Any, summary: dict, passing: list[str], enter: Call
         variants[graphs.FUSED_GRAPH] = together
     out = graphs.run_graphs(workload, variants, enter, ref, ref32, eager_raw, real_weights, repeats,
                             summary.get("roofs"), eager_ms, note)  # fmt: skip
+    if not each and together:  # say which variants were not measured
+        left = f"not measured (--graphs-together): {', '.join(f'{f} + graph' for f in together)}"
+        out["timing_note"] = "; ".join(filter(None, [out.get("timing_note"), left]))
     plan = summary.get("cumulative", {}).get("decode") or {}
     share = plan.get("cuda_graph_share_unfused")
     pred = predicted(summary, "decode", together) if together else {}
