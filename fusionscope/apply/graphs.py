@@ -28,7 +28,6 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from types import MethodType
 from typing import Any
 
 import torch
@@ -49,21 +48,24 @@ BROKEN_DOWN = (GRAPH, FUSED_GRAPH)  # the variants whose replay gets a per-kerne
 def static_cache(model: nn.Module, max_len: int) -> Any:
     """A transformers StaticCache for `model`, `max_len` positions; its tensors are allocated on the first write.
 
-    A sliding-window layer (`StaticSlidingWindowLayer`) reports its length from a Python int, and Gemma-2's forward
-    in transformers 5.17 takes the step's positions and the sliding mask's query offset from it: a captured graph
-    froze both at the capture's value (Gemma-2's graph variants failed the teacher-forced check on the H200,
-    2026-12-02), and torch.compile, guarding on the int, ran slower than eager there. A layer whose window holds
-    all `max_len` positions never rolls, and its device counter holds the same number as the int, so such a layer
-    of this cache reports that tensor, as a plain `StaticLayer` does (an instance attribute on the cache made here;
-    no class is changed). A layer that can roll keeps its int (a capture is refused: `window_overrun`)."""
+    A sliding-window layer (`StaticSlidingWindowLayer`) keeps its length in a Python int beside the device counter,
+    and transformers 5.17's Gemma-2 forward takes the step's positions and the sliding mask's query offset from it
+    (`get_seq_length`), its mask sizes and its write branch too: a captured graph froze all three at the capture's
+    value (Gemma-2's graph variants failed the teacher-forced check on the H200, 2026-12-02), and torch.compile,
+    guarding on the int, recompiled every step until its limit and ran slower than eager. A layer whose window holds
+    all `max_len` positions never rolls, and then computes exactly what a plain `StaticLayer` of `max_len` rows does
+    (the same writes, mask sizes `(max_len, 0)`, and a window mask that masks nothing here), so this cache holds a
+    `StaticLayer` in its place; the cache is ours, no transformers class is changed. A layer that can roll stays
+    (a capture is refused: `window_overrun`)."""
     from transformers import StaticCache
     from transformers.cache_utils import StaticLayer
 
     cache = StaticCache(config=model.config, max_cache_len=max_len)
-    for layer in getattr(cache, "layers", []):
+    layers = getattr(cache, "layers", [])
+    for index, layer in enumerate(layers):
         never_rolls = getattr(layer, "max_cache_len", 0) >= max_len
-        if isinstance(getattr(layer, "cumulative_length_int", None), int) and never_rolls:
-            layer.get_seq_length = MethodType(StaticLayer.get_seq_length, layer)
+        if getattr(layer, "is_sliding", False) and type(layer) is not StaticLayer and never_rolls:
+            layers[index] = StaticLayer(max_cache_len=max_len)
     return cache
 
 

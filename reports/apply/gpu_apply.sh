@@ -34,7 +34,7 @@ for one in ${set_name//,/ }; do
     graphsqwen) runs+=("qwen2.5-7b --prompt-len 512 --decode-steps 64 --repeats 3 --graphs --graphs-only --graphs-together") ;;
     graphsgemma) runs+=("gemma-2-2b --prompt-len 512 --decode-steps 64 --repeats 3 --graphs --graphs-only --graphs-together") ;;
     mistral) runs+=("mistral-7b --prompt-len 512 --decode-steps 32 --repeats 3") ;;
-    tests|host|silu|w4a16|w4a16apply|dabench|agree) ;;
+    tests|host|silu|w4a16|w4a16apply|dabench|agree|nproc1) ;;
     *) echo "unknown set $one"; exit 2 ;;
   esac
 done
@@ -66,9 +66,15 @@ fi
 
 if [[ ",$set_name," == *",w4a16apply,"* ]]; then
   # apply --quantize w4 --graphs on llama-3.2-1b and llama-3.1-8b beside the bf16 8B (reports/w4a16/README.md).
-  (cd "$work" && timeout 250 python3 "$repo/reports/w4a16/gpu_apply_w4a16.py" "$work/w4a16apply") 2>&1 | tail -40
+  (cd "$work" && W4A16_BUDGET_S=300 timeout 320 python3 "$repo/reports/w4a16/gpu_apply_w4a16.py" "$work/w4a16apply") 2>&1 | tail -40
   cp "$work/w4a16apply/w4a16_apply.json" "$out/" 2>/dev/null
   (cd "$work/w4a16apply" && tar czf "$out/w4a16apply.tgz" --exclude='*.html' --exclude='*.json.gz' .) 2>/dev/null
+fi
+
+if [[ ",$set_name," == *",nproc1,"* ]]; then
+  # profile --nproc 1 beside a plain profile on one GPU (reports/nproc/gpu_nproc.py's one-GPU cases).
+  (cd "$work" && NPROC_BUDGET_S=${NPROC_BUDGET_S:-200} timeout 230 python3 "$repo/reports/nproc/gpu_nproc.py" "$work/nproc") 2>&1 | tail -30
+  (cd "$work/nproc" && tar czf "$out/nproc1.tgz" --exclude='*.html' --exclude='*.json.gz' .) 2>/dev/null
 fi
 
 if [[ ",$set_name," == *",dabench,"* ]]; then
