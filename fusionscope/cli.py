@@ -395,6 +395,7 @@ def apply(
             "w4:<group> or w4:channel; dequant_gemm is then measured like any fusion"
         ),
     ] = None,
+    nproc: NprocOpt = None,
 ) -> None:
     """Patch the fusions found into MODEL, check the numerics, measure before and after, predicted vs measured."""
     from fusionscope.apply.run import apply as run_apply
@@ -404,8 +405,8 @@ def apply(
                             out=out_dir, batch=batch, prompt_len=prompt_len, decode_steps=decode_steps, dtype=dtype,
                             device=device, warmup=warmup, remeasure=remeasure, sample=sample,
                             temperature=temperature, top_k=top_k, top_p=top_p, graphs=graphs,
-                            graphs_only=graphs_only, graphs_together=graphs_together,
-                            quantize=quantize)  # fmt: skip
+                            graphs_only=graphs_only, graphs_together=graphs_together, quantize=quantize,
+                            nproc=nproc)  # fmt: skip
     print_summary(run.summary)
     if quantization := run.summary["apply"].get("quantization"):
         from fusionscope.report.formatting import NUMERICS_CELLS, fmt_figure

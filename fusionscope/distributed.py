@@ -1,4 +1,5 @@
-"""`profile --nproc N`: a model sharded over N ranks with tensor parallelism, one trace per rank, one run folder.
+"""`profile --nproc N` and `apply --nproc N`: a model sharded over N ranks with tensor parallelism, one trace per
+rank, one run folder.
 
 The CLI process checks what it can before any rank starts (N against the GPUs present, the model's tensor-parallel
 plan, heads and widths divisible by N), stages the run folder and launches N ranks through torch.distributed's own
@@ -19,6 +20,11 @@ each rank then materialises only its own shard: each module's parameters are ini
 `_init_weights`, one module at a time, so a 70B model never exists whole) and cut to the rank's slice, from the same
 seed on every rank, so the N shards are the slices of one model. `--nproc 1` shards nothing: its rank builds the
 model as a plain `profile` does, which makes it the baseline of the same launch path.
+
+`apply --nproc N` runs the same passes, then apply's on every rank (`follow`): rank 0 finds the fusions and decides
+what every rank patches and times (`apply.lockstep.agree`), each rank patches its own shard (a fusion whose
+projections are sharded is skipped with that reason), and rank 0's numerics and timings, taken with every rank in
+step, are the run's. `--graphs`, `--quantize` and `--from` are refused with N > 1 (`apply.run.check_options`).
 """
 
 from __future__ import annotations
@@ -110,24 +116,41 @@ def check_nproc(spec: Any, device: Any, nproc: int) -> dict[str, str]:
 
 def profile_tp(settings: Settings, out: str | Path | None, on_stage: Callable[[str], None] | None = None) -> Run:
     """`profile` over `settings.nproc` ranks: check, launch, wait; the run folder appears whole or not at all."""
+    return launch_tp(settings, out, on_stage)
+
+
+def launch_tp(settings: Settings, out: str | Path | None, on_stage: Callable[[str], None] | None = None,
+              options: Any = None) -> Run:  # fmt: skip
+    """`profile`, or with `options` (`apply.run.ApplyOptions`) `apply`, over `settings.nproc` ranks: check, launch,
+    wait; the run folder appears whole or not at all."""
     from fusionscope.run import command_line, load_run, prepare, staged_dir
 
     nproc = 1 if settings.nproc is None else int(settings.nproc)
     note = on_stage or (lambda _msg: None)
     out_dir, spec, dev, _dtype = prepare(settings, out)
     check_nproc(spec, dev, nproc)
+    if options is not None:
+        from fusionscope.apply.run import prepare_kernels
+
+        prepare_kernels(dev, options)  # a bad --quantize is one line here, not in every rank
     with staged_dir(out_dir) as tmp:
         scratch = tmp / SCRATCH
         scratch.mkdir()
         (tmp / TRACES).mkdir()
         job = {"settings": dataclasses.asdict(settings), "device": dev.type, "folder": str(tmp.resolve()),
-               "out_dir": str(out_dir.resolve()), "command": command_line(), "started_at": time.time()}  # fmt: skip
+               "out_dir": str(out_dir.resolve()), "command": command_line(), "started_at": time.time(),
+               "apply": None if options is None else dataclasses.asdict(options)}  # fmt: skip
         (scratch / "job.json").write_text(json.dumps(job))
         note(f"launching {nproc} rank{'s' if nproc > 1 else ''} ({'nccl' if dev.type == 'cuda' else 'gloo'})")
         launch(scratch, nproc, note)
         shutil.rmtree(scratch)
         done = load_run(tmp)
-    return Run(out_dir=out_dir, summary=done.summary, kernels=done.kernels)
+    if options is None:
+        return Run(out_dir=out_dir, summary=done.summary, kernels=done.kernels)
+    from fusionscope.apply.run import ApplyRun
+
+    outcomes = pd.DataFrame(done.summary["apply"]["rows"])
+    return ApplyRun(out_dir=out_dir, summary=done.summary, kernels=done.kernels, outcomes=outcomes)
 
 
 def launch_command(job_file: Path, nproc: int) -> list[str]:
@@ -369,7 +392,7 @@ def run_rank(job: dict, rank: int, world: int, local_rank: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from fusionscope import capture, dataflow, models
+    from fusionscope import models
     from fusionscope.run import profile_stages
 
     folder = Path(job["folder"])
@@ -404,26 +427,57 @@ def run_rank(job: dict, rank: int, world: int, local_rank: int) -> None:
         with progress.open("a", encoding="utf-8") as f:
             f.write(f"rank 0: {line}\n")
 
+    options = None
+    if job.get("apply") is not None:
+        from fusionscope.apply.run import ApplyOptions
+
+        options = ApplyOptions(**job["apply"])
+        if device.type == "cpu":
+            from fusionscope.apply.run import use_interpreter
+
+            use_interpreter()  # before any kernel is imported (the launcher's environment has it set already)
     try:
-        if rank == 0:
+        if rank == 0 and options is None:
             done = profile_stages(settings, spec, device, dtype, folder, note, build=build)
+        elif rank == 0:
+            from fusionscope.apply.run import apply_stages
+
+            summary, kernels = apply_stages(settings, spec, device, dtype, folder, note, options, build=build)
+            done = Run(out_dir=folder, summary=summary, kernels=kernels)
         else:
-            workload = build(spec, device, dtype, batch=settings.batch, prompt_len=settings.prompt_len,
-                             decode_steps=settings.decode_steps, sampling=settings.sampling)  # fmt: skip
-            mine = scratch / f"rank{rank}"
-            mine.mkdir()
-            cap = capture.capture(workload, mine, warmup=settings.warmup)
-            dataflow.record_dataflow(workload)  # the other ranks' collectives need this rank in the pass too
-            retag_rank(cap.trace_path, folder / RANK_TRACE.format(rank=rank), rank)
-            shutil.rmtree(mine)
-            note_file = scratch / f"rank{rank}.json"
-            note_file.with_suffix(".partial").write_text(json.dumps({"unprofiled_ms": cap.unprofiled_ms}))
-            note_file.with_suffix(".partial").rename(note_file)
+            follow(settings, spec, device, dtype, folder, rank, build, options)
     finally:
         dist.destroy_process_group()
     if rank == 0:
         note("assembling the ranks")
         assemble(folder, job, done, world, backend, applied)
+
+
+def follow(settings: Settings, spec: Any, device: Any, dtype: Any, folder: Path, rank: int,
+           build: Callable[..., Any], options: Any) -> None:  # fmt: skip
+    """A rank other than 0: build its shard and run every pass rank 0 runs, in the same order (each forward holds
+    collectives): the profile's timed, profiled and dataflow passes, writing its trace and note for rank 0; then,
+    with `options`, apply's numerics and timing passes on rank 0's fusions and decisions (`apply.lockstep`), whose
+    figures rank 0 keeps for its own."""
+    from fusionscope import capture, dataflow
+
+    scratch = folder / SCRATCH
+    workload = build(spec, device, dtype, batch=settings.batch, prompt_len=settings.prompt_len,
+                     decode_steps=settings.decode_steps, sampling=settings.sampling)  # fmt: skip
+    mine = scratch / f"rank{rank}"
+    mine.mkdir()
+    cap = capture.capture(workload, mine, warmup=settings.warmup)
+    dataflow.record_dataflow(workload)  # the other ranks' collectives need this rank in the pass too
+    retag_rank(cap.trace_path, folder / RANK_TRACE.format(rank=rank), rank)
+    note_file = scratch / f"rank{rank}.json"
+    note_file.with_suffix(".partial").write_text(json.dumps({"unprofiled_ms": cap.unprofiled_ms}))
+    note_file.with_suffix(".partial").rename(note_file)
+    if options is not None:
+        from fusionscope.apply.run import run_apply
+
+        run_apply(workload, {}, options.wanted, options.repeats, mine, lambda _line: None, options.graphs,
+                  options.graphs_only, options.graphs_together)  # fmt: skip
+    shutil.rmtree(mine)
 
 
 # --- rank 0: the run folder of all ranks -----------------------------------------------------------------------

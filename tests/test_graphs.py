@@ -239,3 +239,26 @@ def test_a_sliding_window_layer_that_never_rolls_becomes_a_plain_static_layer() 
             prefix = torch.cat([prefix, decoder.token.clone()], dim=1)
             logits = decoder.step()
             assert int(decoder.cache.layers[0].get_seq_length()) == prefix.shape[1]
+
+
+def test_torch_compile_of_a_gemma2_decode_on_this_cache_compiles_once() -> None:
+    """transformers' sliding-window layer keeps a Python int that its mask sizes and write branch read; torch.compile
+    guarded on it and compiled a new graph at every decode step (gemma-2-2b hit the recompile limit on the H200 and
+    ran slower than eager, 2026-12-02). On the cache made here, six steps are one graph."""
+    import torch._dynamo as dynamo
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                          head_dim=16, intermediate_size=64, vocab_size=97, sliding_window=64,
+                          query_pre_attn_scalar=16)  # fmt: skip
+    model = Gemma2ForCausalLM(config).eval()
+    ids = torch.randint(0, 97, (1, 5), generator=torch.Generator().manual_seed(0))
+    dynamo.reset()
+    dynamo.utils.counters.clear()
+    compiled = torch.compile(model.forward, backend="eager", dynamic=False)
+    decoder = graphs.StaticDecoder(model, ids, decode_steps=6, forward=compiled)
+    decoder.prefill()
+    for _ in range(6):
+        decoder.step()
+    assert dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    dynamo.reset()

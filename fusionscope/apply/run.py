@@ -18,6 +18,7 @@ Order of work, and why:
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import statistics
 import time
@@ -29,6 +30,7 @@ from typing import Any
 
 import pandas as pd
 
+from fusionscope.apply.lockstep import agree
 from fusionscope.errors import UsageError
 from fusionscope.run import Run, Settings, finish_run_folder, load_run, prepare, profile_stages, staged_dir
 
@@ -85,6 +87,7 @@ def apply(
     graphs_only: bool = False,
     graphs_together: bool = False,
     quantize: str | None = None,
+    nproc: int | None = None,
     on_stage: Callable[[str], None] | None = None,
 ) -> ApplyRun:
     """Profile MODEL (or take `from_run`'s predictions), patch the fusions found (`fusions`: "all", "a,b" or a list),
@@ -97,96 +100,151 @@ def apply(
     `quantize` ("w4", "w4:<group>", "w4:channel") first quantises the model's Linears to int4 (not the embedding or
     the LM head): before profiling, so the finder sees the unfused dequantise + GEMM chain and `dequant_gemm` is
     measured against it like any fusion. `summary["quantize"]` holds what was swapped; the quantisation's own error
-    against the float model is `summary["apply"]["quantization"]`, apart from each fusion's."""
+    against the float model is `summary["apply"]["quantization"]`, apart from each fusion's.
+
+    `nproc=N` runs it on N tensor-parallel ranks (`fusionscope.distributed`): every rank patches and runs its shard
+    in step with the others, rank 0 decides (`lockstep.agree`) and writes the run folder."""
     settings = Settings(
         model, batch, prompt_len, decode_steps, dtype, device, warmup, remeasure, sample, temperature, top_k, top_p
     )
-    wanted = parse_fusions(fusions)
-    if repeats < 1:
-        raise UsageError("--repeats must be ≥ 1")
-    if graphs and decode_steps < 1:
-        raise UsageError("--graphs measures the decode step: give --decode-steps ≥ 1")
-    if graphs_only and not graphs:
-        raise UsageError("--graphs-only narrows what --graphs measures in eager mode: give --graphs too")
-    if graphs_together and not graphs:
-        raise UsageError("--graphs-together narrows which graphs --graphs captures: give --graphs too")
+    options = ApplyOptions(parse_fusions(fusions), repeats, graphs, graphs_only, graphs_together, quantize)
+    check_options(options, decode_steps, nproc, from_run)
+    if nproc is not None:
+        from fusionscope.distributed import launch_tp
+
+        return launch_tp(dataclasses.replace(settings, nproc=nproc), out, on_stage, options)
     note = on_stage or (lambda _msg: None)
     t_start = time.perf_counter()
     earlier = load_run(from_run) if from_run is not None else None
     out_dir, spec, dev, torch_dtype = prepare(settings, out)
-    if dev.type == "cpu":
-        use_interpreter()
-    group = None
-    if quantize is not None:
-        from fusionscope.apply.quantize import parse_quantize  # imports the kernels: after the interpreter is chosen
-
-        group = parse_quantize(quantize)
+    prepare_kernels(dev, options)
     if earlier is not None:
         check_same_workload(earlier.summary, spec.name, settings, str(torch_dtype).removeprefix("torch."), dev.type,
                             device_name(dev))  # fmt: skip
-        earlier_group = (earlier.summary.get("quantize") or {}).get("group_size")
-        if earlier_group != group:
+        check_same_quantize(earlier.summary, options)
+    with staged_dir(out_dir) as tmp:
+        summary, kernels = apply_stages(settings, spec, dev, torch_dtype, tmp, note, options, earlier)
+        finish_run_folder(tmp, summary, kernels, t_start, note)
+    outcomes = pd.DataFrame(summary["apply"]["rows"])
+    return ApplyRun(out_dir=out_dir, summary=summary, kernels=kernels, outcomes=outcomes)
 
-            def made(g: int | None) -> str:
-                return "without --quantize" if g is None else f"with --quantize w4:{'channel' if g == -1 else g}"
 
-            raise UsageError(f"--from run was made {made(earlier_group)}, this one is {made(group)}")
+@dataclass(frozen=True)
+class ApplyOptions:
+    """What `apply` adds to `profile`'s settings (the fields of `apply()` of the same names); a tensor-parallel
+    launch hands them to every rank."""
+
+    wanted: list[str] | None = None  # fusion names; None: every fusion found
+    repeats: int = 3
+    graphs: bool = False
+    graphs_only: bool = False
+    graphs_together: bool = False
+    quantize: str | None = None
+
+    @property
+    def group(self) -> int | None:
+        """The quantisation's group size (-1 per channel), None without `quantize`."""
+        if self.quantize is None:
+            return None
+        from fusionscope.apply.quantize import parse_quantize
+
+        return parse_quantize(self.quantize)
+
+
+def check_options(options: ApplyOptions, decode_steps: int, nproc: int | None, from_run: Any) -> None:
+    """One line for each combination of options that cannot run, before anything is built."""
+    if options.repeats < 1:
+        raise UsageError("--repeats must be ≥ 1")
+    if options.graphs and decode_steps < 1:
+        raise UsageError("--graphs measures the decode step: give --decode-steps ≥ 1")
+    if options.graphs_only and not options.graphs:
+        raise UsageError("--graphs-only narrows what --graphs measures in eager mode: give --graphs too")
+    if options.graphs_together and not options.graphs:
+        raise UsageError("--graphs-together narrows which graphs --graphs captures: give --graphs too")
+    if nproc is None:
+        return
+    if from_run is not None:
+        raise UsageError("--from takes an earlier run's predictions for one process; with --nproc the ranks profile "
+                         "their own shards: leave out --from")  # fmt: skip
+    if nproc > 1 and options.graphs:
+        raise UsageError("--graphs with --nproc > 1 is not measured: a captured step would hold the ranks' "
+                         "all-reduces, which fusionscope does not capture; use --nproc 1 or leave out "
+                         "--graphs")  # fmt: skip
+    if nproc > 1 and options.quantize is not None:
+        raise UsageError("--quantize with --nproc > 1 is not supported: the int4 Linears replace the sharded ones; "
+                         "use --nproc 1 or leave out --quantize")  # fmt: skip
+
+
+def prepare_kernels(dev: Any, options: ApplyOptions) -> None:
+    """Choose the interpreter on a CPU (before any kernel is imported), then check the quantisation spec."""
+    if dev.type == "cpu":
+        use_interpreter()
+    options.group  # noqa: B018 (raises a UsageError for a bad --quantize, after the interpreter is chosen)
+
+
+def check_same_quantize(earlier: dict, options: ApplyOptions) -> None:
+    earlier_group = (earlier.get("quantize") or {}).get("group_size")
+    if earlier_group != options.group:
+
+        def made(g: int | None) -> str:
+            return "without --quantize" if g is None else f"with --quantize w4:{'channel' if g == -1 else g}"
+
+        raise UsageError(f"--from run was made {made(earlier_group)}, this one is {made(options.group)}")
+
+
+def apply_stages(settings: Settings, spec: Any, dev: Any, torch_dtype: Any, tmp: Path,
+                 note: Callable[[str], None], options: ApplyOptions, earlier: Run | None = None,
+                 build: Callable[..., Any] | None = None) -> tuple[dict, pd.DataFrame]:  # fmt: skip
+    """Profile (or take `earlier`'s predictions), then the apply stages, into the staged folder `tmp`: the trace,
+    tables and apply.csv written, the summary (with `apply`) and kernel table returned for `finish_run_folder`.
+    `build` stands in for `models.build_workload` (a tensor-parallel rank builds its shard)."""
+    from fusionscope import models
+
+    group = options.group
     quantized: dict[str, Any] = {}
 
-    def build(*args: Any, **kwargs: Any) -> Any:
-        """`models.build_workload`, then (with `quantize`) the Linears quantised and the quantisation's error taken."""
-        from fusionscope import models
-
-        workload = models.build_workload(*args, **kwargs)
+    def build_quantized(*args: Any, **kwargs: Any) -> Any:
+        """The workload, then (with `quantize`) the Linears quantised and the quantisation's error taken."""
+        workload = (build or models.build_workload)(*args, **kwargs)
         if group is not None:
             from fusionscope.apply.quantize import quantize_workload
 
-            note(f"quantising the Linears to int4 ({quantize}) and measuring the quantisation's own error")
+            note(f"quantising the Linears to int4 ({options.quantize}) and measuring the quantisation's own error")
             quantized["report"], quantized["numerics"] = quantize_workload(workload, group)
         return workload
 
-    with staged_dir(out_dir) as tmp:
-        if earlier is None:
-            profiled = profile_stages(settings, spec, dev, torch_dtype, tmp, note, keep_workload=True, build=build)
-            summary, kernels, workload = profiled.summary, profiled.kernels, profiled.workload
-        else:
-            note(f"taking the predictions of {earlier.out_dir}")
-            for name in ("trace.json.gz", "kernels.csv", "ops.csv", "opportunities.csv"):
-                if (earlier.out_dir / name).is_file():
-                    shutil.copy2(earlier.out_dir / name, tmp / name)
-            summary, kernels = dict(earlier.summary), earlier.kernels
-            summary["predictions_from"] = str(earlier.out_dir)
-            note(f"building {spec.name} on {dev.type} in {str(torch_dtype).removeprefix('torch.')}")
-            workload = build(
-                spec,
-                dev,
-                torch_dtype,
-                batch=batch,
-                prompt_len=prompt_len,
-                decode_steps=decode_steps,
-                sampling=settings.sampling,
-            )
-        if graphs and workload.phases != ("prefill", "decode"):
-            raise UsageError(f"--graphs needs a generation model with a decode phase; {spec.name} has none")
-        if quantized:
-            summary["quantize"] = quantized["report"]
-        summary["apply"] = run_apply(
-            workload, summary, wanted, repeats, tmp, note, graphs, graphs_only, graphs_together
-        )
-        if quantized:
-            summary["apply"]["quantization"] = {
-                "spec": quantize.strip(),
-                "group_size": group,
-                "against": f"the {str(torch_dtype).removeprefix('torch.')} model before quantisation",
-                "numerics": json_safe(quantized["numerics"]),
-            }
-        outcomes = pd.DataFrame(summary["apply"]["rows"])
-        outcomes.to_csv(tmp / "apply.csv", index=False, float_format="%.6g")
-        from fusionscope.run import command_line
+    if earlier is None:
+        profiled = profile_stages(settings, spec, dev, torch_dtype, tmp, note, keep_workload=True,
+                                  build=build_quantized)  # fmt: skip
+        summary, kernels, workload = profiled.summary, profiled.kernels, profiled.workload
+    else:
+        note(f"taking the predictions of {earlier.out_dir}")
+        for name in ("trace.json.gz", "kernels.csv", "ops.csv", "opportunities.csv"):
+            if (earlier.out_dir / name).is_file():
+                shutil.copy2(earlier.out_dir / name, tmp / name)
+        summary, kernels = dict(earlier.summary), earlier.kernels
+        summary["predictions_from"] = str(earlier.out_dir)
+        note(f"building {spec.name} on {dev.type} in {str(torch_dtype).removeprefix('torch.')}")
+        workload = build_quantized(spec, dev, torch_dtype, batch=settings.batch, prompt_len=settings.prompt_len,
+                                   decode_steps=settings.decode_steps, sampling=settings.sampling)  # fmt: skip
+    if options.graphs and workload.phases != ("prefill", "decode"):
+        raise UsageError(f"--graphs needs a generation model with a decode phase; {spec.name} has none")
+    if quantized:
+        summary["quantize"] = quantized["report"]
+    summary["apply"] = run_apply(workload, summary, options.wanted, options.repeats, tmp, note, options.graphs,
+                                 options.graphs_only, options.graphs_together)  # fmt: skip
+    if quantized:
+        summary["apply"]["quantization"] = {
+            "spec": str(options.quantize).strip(),
+            "group_size": group,
+            "against": f"the {str(torch_dtype).removeprefix('torch.')} model before quantisation",
+            "numerics": json_safe(quantized["numerics"]),
+        }
+    pd.DataFrame(summary["apply"]["rows"]).to_csv(tmp / "apply.csv", index=False, float_format="%.6g")
+    from fusionscope.run import command_line
 
-        summary["command"] = command_line() or summary.get("command", "")
-        finish_run_folder(tmp, summary, kernels, t_start, note)
-    return ApplyRun(out_dir=out_dir, summary=summary, kernels=kernels, outcomes=outcomes)
+    summary["command"] = command_line() or summary.get("command", "")
+    return summary, kernels
 
 
 def device_name(dev: Any) -> str | None:
@@ -276,6 +334,7 @@ def run_apply(
     from fusionscope.apply.patching import patch
     from fusionscope.apply.sampler import Sampler
 
+    summary = agree(summary)  # tensor-parallel ranks: the fusions found on rank 0, patched on every rank
     sites, left_out = sites_to_patch(summary.get("opportunities", []), wanted)
     if not sites:
         why = "; ".join(f"{k}: {v}" for k, v in left_out.items()) or "the finder found no fusion"
@@ -340,6 +399,7 @@ def run_apply(
             row.update(status="skipped", reason=skipped or "nothing patched")
             continue
         row["numerics"], row["numerics_vs_fp32"], ok, why = check([fusion])
+        ok, why = agree((ok, why))  # rank 0's judgement: every rank patches the same fusions from here on
         row.update(status="passed" if ok else "failed", reason=why)
         if ok:
             passing.append(fusion)
@@ -354,6 +414,7 @@ def run_apply(
     if len(passing) > 1:
         note("numerics: all passing fusions together")
         fig, fig32, ok, why = check(passing)
+        ok, why = agree((ok, why))
         together_numerics = {"fusions": list(passing), "numerics": fig, "numerics_vs_fp32": fig32, "passed": ok,
                              "reason": why}  # fmt: skip
 
@@ -532,6 +593,7 @@ def measure_variants(
     if ALL_FOUND in first:
         choice = {ph: [f for f in passing if f not in timed or not clearly_slower(timed[f], timed[BASELINE], ph)]
                   for ph in phases}  # fmt: skip
+    choice = agree(choice)  # rank 0's timings choose: every rank then times the same second set
     distinct = [c for c in dict.fromkeys(tuple(c) for c in choice.values()) if c and list(c) != passing]
     second = {f"{ALL_TOGETHER} ({', '.join(ph for ph in phases if tuple(choice[ph]) == c)})": list(c) for c in distinct}
     timed_second = _timed_set(workload, {BASELINE: [], **second}, enter, sampler, repeats, note) if second else {}

@@ -179,7 +179,19 @@ def forward_replaced(module: nn.Module, patcher: Patcher | None = None) -> str:
     owner = patcher.forward_owner(module) if patcher is not None else None
     if owner is not None:
         return f"the forward of {type(module).__name__} is already rewritten by the {owner} fusion"
+    if sharded(module):
+        return (f"this {type(module).__name__} is sharded over tensor-parallel ranks (DTensor weights, transformers' "
+                "sharded forward on the instance): the fusion does not rewrite sharded modules")  # fmt: skip
     return f"this {type(module).__name__}'s forward is already replaced on the instance"
+
+
+def sharded(module: nn.Module) -> bool:
+    """Whether a parameter of `module` itself is a DTensor (tensor parallelism shards it across ranks)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return False
+    return any(isinstance(p, DTensor) for p in module.parameters(recurse=False))
 
 
 Forward = Callable[..., Any]

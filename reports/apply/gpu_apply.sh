@@ -68,13 +68,13 @@ if [[ ",$set_name," == *",w4a16apply,"* ]]; then
   # apply --quantize w4 --graphs on llama-3.2-1b and llama-3.1-8b beside the bf16 8B (reports/w4a16/README.md).
   (cd "$work" && W4A16_BUDGET_S=300 timeout 320 python3 "$repo/reports/w4a16/gpu_apply_w4a16.py" "$work/w4a16apply") 2>&1 | tail -40
   cp "$work/w4a16apply/w4a16_apply.json" "$out/" 2>/dev/null
-  (cd "$work/w4a16apply" && tar czf "$out/w4a16apply.tgz" --exclude='*.html' --exclude='*.json.gz' .) 2>/dev/null
+  (cd "$work/w4a16apply" && tar czf "$out/w4a16apply.tgz" --exclude='*.html' --exclude='*.json.gz' --exclude=kernels.csv --exclude=ops.csv .) 2>/dev/null
 fi
 
 if [[ ",$set_name," == *",nproc1,"* ]]; then
-  # profile --nproc 1 beside a plain profile on one GPU (reports/nproc/gpu_nproc.py's one-GPU cases).
-  (cd "$work" && NPROC_BUDGET_S=${NPROC_BUDGET_S:-200} timeout 230 python3 "$repo/reports/nproc/gpu_nproc.py" "$work/nproc") 2>&1 | tail -30
-  (cd "$work/nproc" && tar czf "$out/nproc1.tgz" --exclude='*.html' --exclude='*.json.gz' .) 2>/dev/null
+  # profile --nproc 1 beside a plain profile on one GPU (reports/nproc/gpu_nproc.py; NPROC_CASES picks cases).
+  (cd "$work" && NPROC_BUDGET_S=${NPROC_BUDGET_S:-200} timeout $((${NPROC_BUDGET_S:-200} + 30)) python3 "$repo/reports/nproc/gpu_nproc.py" "$work/nproc" ${NPROC_CASES:-}) 2>&1 | tail -30
+  (cd "$work/nproc" && tar czf "$out/nproc1.tgz" --exclude='*.html' --exclude='*.json.gz' --exclude=kernels.csv --exclude=ops.csv .) 2>/dev/null
 fi
 
 if [[ ",$set_name," == *",dabench,"* ]]; then

@@ -3,6 +3,7 @@
     python3 reports/nproc/gpu_nproc.py OUT [CASE ...]
 
 Run from the repository root (`import fusionscope` must work). Each CASE is one `python3 -m fusionscope profile ...`
+(or `apply ...` for the `*-apply-*` cases)
 in a subprocess, its run folder in OUT/runs/CASE and its output in OUT/CASE.log; OUT/results.json is rewritten after
 every case (device, versions, date, and per case: exit status, wall time, and rank 0's per-phase figures, the
 per-rank step times and communication, the straggler, the tensor-parallel fusion's estimate), so a call killed at its
@@ -49,6 +50,10 @@ CASES = {
     "8b-4": ["llama-3.1-8b", "--nproc", "4", *WORK_8B],
     "8b-8": ["llama-3.1-8b", "--nproc", "8", *WORK_8B],
     "70b-2": ["{70b}", "--nproc", "2", "--prompt-len", "256", "--decode-steps", "8"],
+    # apply on the ranks: each patches its shard, rank 0 decides and measures
+    "tiny-apply-1": ["apply", "tiny-llama", "--nproc", "1", *WORK_TINY, "--repeats", "2"],
+    "8b-apply-1": ["apply", "llama-3.1-8b", "--nproc", "1", *WORK_8B, "--repeats", "2", "--graphs-only"],
+    "8b-apply-2": ["apply", "llama-3.1-8b", "--nproc", "2", *WORK_8B, "--repeats", "2", "--graphs-only"],
 }
 
 
@@ -92,6 +97,7 @@ def figures(folder: Path) -> dict:
         "straggler": ranks.get("straggler"),
         "hta": ranks.get("hta"),
         "tensor_parallel": summary.get("tensor_parallel"),
+        "apply": apply_figures(summary.get("apply") or {}),
         "opportunities": [
             {k: o.get(k) for k in OPPORTUNITY_KEYS}
             for o in summary.get("opportunities", [])
@@ -100,14 +106,30 @@ def figures(folder: Path) -> dict:
     }
 
 
+APPLY_KEYS = ("wall_ms", "baseline_wall_ms", "measured_speedup_wall", "predicted_speedup_wall", "gpu_ms",
+              "baseline_gpu_ms")  # fmt: skip
+
+
+def apply_figures(applied: dict) -> dict:
+    """An apply case's fusions (status, sites, reason) and each timed variant's per-phase figures."""
+    variants = (applied.get("timing") or {}).get("variants") or {}
+    return {
+        "fusions": {f["fusion"]: {k: f.get(k) for k in ("status", "sites_found", "sites_patched", "reason")}
+                    for f in applied.get("fusions", [])},
+        "timing": {name: {phase: {k: figures.get(k) for k in APPLY_KEYS} for phase, figures in v["phases"].items()}
+                   for name, v in variants.items()},
+    }  # fmt: skip
+
+
 def compare(results: dict) -> dict:
-    """Same-call ratios of decode and prefill ms/step (unprofiled, rank 0) against the first `--nproc 1` case."""
-    base = next((c for c in results["cases"].values() if c.get("figures") and "--nproc 1" in c["command"]), None)
-    if base is None:
-        return {}
+    """Same-call ratios of decode and prefill ms/step (unprofiled, rank 0) of each profile case against the first
+    `profile --nproc 1` case of the same model."""
     out = {}
     for name, case in results["cases"].items():
-        if not case.get("figures"):
+        model = case["command"].split()[1:2]
+        base = next((c for c in results["cases"].values() if c.get("figures") and "--nproc 1" in c["command"]
+                     and c["command"].split()[1:2] == model and c["command"].startswith("profile")), None)  # fmt: skip
+        if not case.get("figures") or base is None or not case["command"].startswith("profile"):
             continue
         ratios = {}
         for phase, f in case["figures"]["phases"].items():
@@ -141,8 +163,9 @@ def main() -> None:
     for name in names:
         args = [a.replace("{70b}", str(config_dir)) for a in CASES[name]]
         folder = out / "runs" / name
-        command = [sys.executable, "-m", "fusionscope", "profile", *args, "--out", str(folder)]
-        case = {"name": name, "command": " ".join(command[2:])}
+        verb, rest = (args[0], args[1:]) if args[0] == "apply" else ("profile", args)
+        command = [sys.executable, "-m", "fusionscope", verb, *rest, "--out", str(folder)]
+        case = {"name": name, "command": " ".join(command[3:])}
         results["cases"][name] = case
         left = BUDGET_S - (time.monotonic() - t0)
         if left < MIN_CASE_S:

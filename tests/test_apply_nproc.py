@@ -1,0 +1,129 @@
+"""`apply --nproc N` on the CPU: gloo ranks through torchrun, each patching its shard of a tiny Llama in step with the
+others; rank 0's decisions followed by every rank (`apply.lockstep`); and the options that cannot run with N > 1
+refused in one line before any rank starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from typer.testing import CliRunner
+
+from fusionscope.cli import app
+
+runner = CliRunner()
+WORKLOAD = ["--prompt-len", "12", "--decode-steps", "3"]
+
+
+@pytest.fixture(scope="module")
+def tp_apply(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("apply-nproc") / "tp2"
+    result = runner.invoke(app, ["apply", "tiny-llama", "--nproc", "2", "--out", str(out), *WORKLOAD])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_two_ranks_apply_into_one_run_folder(tp_apply: Path) -> None:
+    assert {"apply.csv", "summary.json", "report.html", "traces/rank0.json.gz", "traces/rank1.json.gz"} <= {
+        str(p.relative_to(tp_apply)) for p in tp_apply.rglob("*")
+    }
+    assert not list(tp_apply.parent.glob(".*partial"))
+    summary = json.loads((tp_apply / "summary.json").read_text())
+    assert summary["model"]["nproc"] == 2 and summary["ranks"]["count"] == 2
+    assert summary["tensor_parallel"]["plan"]["model.layers.*.self_attn.q_proj"] == "colwise"
+    rows = {row["fusion"]: row for row in summary["apply"]["fusions"]}
+    # the kernels that work on a rank's local activations patch its shard and keep its numerics
+    for fusion in ("rms_norm", "silu_and_mul", "rope", "decode_attention"):
+        assert rows[fusion]["status"] == "passed", rows[fusion]
+        assert rows[fusion]["sites_patched"] == rows[fusion]["sites_found"] > 0
+        assert rows[fusion]["numerics"]["max_abs"] < 1e-4  # fp32 shards: patched vs unpatched, same ranks
+    # a horizontal fusion of sharded projections is not built: skipped, and the reason says why
+    for fusion in ("qkv", "gate_up"):
+        assert rows[fusion]["status"] == "skipped" and "sharded over tensor-parallel ranks" in rows[fusion]["reason"]
+    assert rows["allreduce_add_rms_norm"]["status"] == "skipped"  # estimate only, no kernel
+    assert summary["apply"]["together_numerics"]["passed"]
+    table = pd.read_csv(tp_apply / "apply.csv")
+    assert set(table["variant"]) >= {"rms_norm", "qkv"}
+
+
+def test_nproc_1_applies_what_a_plain_apply_applies(tmp_path: Path, tp_apply: Path) -> None:
+    result = runner.invoke(app, ["apply", "tiny-llama", "--nproc", "1", "--out", str(tmp_path / "one"), *WORKLOAD])
+    assert result.exit_code == 0, result.output
+    one = json.loads((tmp_path / "one" / "summary.json").read_text())
+    assert one["model"]["nproc"] == 1 and one["tensor_parallel"]["plan"] == {}
+    rows = {row["fusion"]: row["status"] for row in one["apply"]["fusions"]}
+    assert rows["qkv"] == rows["gate_up"] == rows["add_rms_norm"] == "passed"  # nothing sharded: all patchable
+
+
+def _lockstep_rank(rank: int, world: int, port: int, folder: str) -> None:
+    """Rank 1's own judge fails every fusion; rank 0's passes them: both ranks must patch and report as rank 0."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TRITON_INTERPRET="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fusionscope import distributed, models
+    from fusionscope.apply import lockstep, numerics
+    from fusionscope.apply.run import run_apply
+
+    if rank == 1:
+        numerics.judge = lambda *args, **kwargs: (False, "rank 1's own judgement")
+    mesh = init_device_mesh("cpu", (world,))
+    workload = distributed.build_sharded_workload(models.resolve_model("tiny-llama"), torch.device("cpu"),
+                                                  torch.float32, mesh=mesh, world=world, applied={}, prompt_len=8,
+                                                  decode_steps=2)  # fmt: skip
+    layers = len(workload.module.model.layers)
+    found = [{"fusion": "silu_and_mul", "phase": "decode", "confidence": "high",
+              "module_paths": [f"model.layers.{i}.mlp" for i in range(layers)]},
+             {"fusion": "rms_norm", "phase": "decode", "confidence": "high",
+              "module_paths": ["model.norm"]}]  # fmt: skip
+    summary = {"opportunities": found} if rank == 0 else {}  # the other ranks learn the fusions from rank 0
+    result = run_apply(workload, summary, None, 1, Path(folder), lambda _line: None)
+    statuses = {row["fusion"]: (row["status"], row["reason"]) for row in result["fusions"]}
+    agreed = lockstep.agree(f"rank {rank}")
+    Path(folder, f"rank{rank}.json").write_text(json.dumps({"statuses": statuses, "agreed": agreed}))
+    dist.destroy_process_group()
+
+
+def test_every_rank_follows_rank_0s_decisions(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_lockstep_rank, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in (0, 1)]
+    assert ranks[0]["statuses"]["silu_and_mul"][0] == ranks[0]["statuses"]["rms_norm"][0] == "passed"
+    assert ranks[1]["statuses"] == ranks[0]["statuses"]  # rank 1's own failing judge was overruled
+    assert [r["agreed"] for r in ranks] == ["rank 0", "rank 0"]
+
+
+def test_agree_outside_ranks_is_the_value_itself() -> None:
+    from fusionscope.apply.lockstep import agree
+
+    value = {"a": [1, 2]}
+    assert agree(value) is value
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--nproc", "2", "--graphs"], "--graphs with --nproc > 1 is not measured"),
+        (["--nproc", "2", "--quantize", "w4"], "--quantize with --nproc > 1 is not supported"),
+        (["--nproc", "1", "--from", "."], "--from takes an earlier run's predictions for one process"),
+        (["--nproc", "0"], "--nproc must be ≥ 1 (got 0)"),
+        (["--nproc", "3"], "--nproc 3 does not divide"),
+    ],
+)
+def test_bad_apply_nproc_is_one_line_before_any_rank(tmp_path: Path, extra: list[str], message: str) -> None:
+    out = tmp_path / "never"
+    result = runner.invoke(app, ["apply", "tiny-llama", *extra, "--out", str(out), *WORKLOAD])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.output
+    assert not out.exists() and not list(tmp_path.glob(".*partial"))
