@@ -52,8 +52,8 @@ CASES = {
     "70b-2": ["{70b}", "--nproc", "2", "--prompt-len", "256", "--decode-steps", "8"],
     # apply on the ranks: each patches its shard, rank 0 decides and measures
     "tiny-apply-1": ["apply", "tiny-llama", "--nproc", "1", *WORK_TINY, "--repeats", "2"],
-    "8b-apply-1": ["apply", "llama-3.1-8b", "--nproc", "1", *WORK_8B, "--repeats", "2", "--graphs-only"],
-    "8b-apply-2": ["apply", "llama-3.1-8b", "--nproc", "2", *WORK_8B, "--repeats", "2", "--graphs-only"],
+    "8b-apply-1": ["apply", "llama-3.1-8b", "--nproc", "1", *WORK_8B, "--repeats", "2"],
+    "8b-apply-2": ["apply", "llama-3.1-8b", "--nproc", "2", *WORK_8B, "--repeats", "2"],
 }
 
 
