@@ -4,7 +4,9 @@ any `@triton.jit` function is defined, hence here, before test modules import ke
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -34,3 +36,20 @@ def smollm2() -> tuple:
     spec = resolve_model("smollm2-135m")
     model = build_workload(spec, torch.device("cpu"), torch.float32, prompt_len=16, decode_steps=1).module
     return model, AutoTokenizer.from_pretrained(str(spec.path), gguf_file=spec.weights)
+
+
+@pytest.fixture
+def two_gloo_ranks() -> Callable[..., None]:
+    """`run(fn, *args)`: `fn(rank, 2, port, *args)` in two spawned processes (their gloo group's rendezvous on a free
+    local port), returning when both have finished."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    def run(fn: Callable[..., None], *args: Any) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(fn, args=(2, port, *args), nprocs=2, join=True)
+
+    return run

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from typer.testing import CliRunner
 
 from fusionscope.cli import app
@@ -92,11 +90,8 @@ def _lockstep_rank(rank: int, world: int, port: int, folder: str) -> None:
     dist.destroy_process_group()
 
 
-def test_every_rank_follows_rank_0s_decisions(tmp_path: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_lockstep_rank, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+def test_every_rank_follows_rank_0s_decisions(tmp_path: Path, two_gloo_ranks) -> None:
+    two_gloo_ranks(_lockstep_rank, str(tmp_path))
     ranks = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in (0, 1)]
     assert ranks[0]["statuses"]["silu_and_mul"][0] == ranks[0]["statuses"]["rms_norm"][0] == "passed"
     assert ranks[1]["statuses"] == ranks[0]["statuses"]  # rank 1's own failing judge was overruled

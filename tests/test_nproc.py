@@ -9,14 +9,12 @@ import gzip
 import json
 import os
 import re
-import socket
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from typer.testing import CliRunner
 
 from fusionscope import distributed, models
@@ -172,11 +170,8 @@ def _sharded_logits(rank: int, world: int, port: int, folder: str) -> None:
     dist.destroy_process_group()
 
 
-def test_two_shards_compute_what_the_whole_model_computes(tmp_path: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_sharded_logits, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+def test_two_shards_compute_what_the_whole_model_computes(tmp_path: Path, two_gloo_ranks) -> None:
+    two_gloo_ranks(_sharded_logits, str(tmp_path))
     torch.manual_seed(0)
     spec = models.resolve_model("tiny-llama")
     whole, applied, params = distributed.build_module(spec, torch.device("cpu"), torch.float32, None, 1)
