@@ -122,3 +122,33 @@ def test_bad_apply_nproc_is_one_line_before_any_rank(tmp_path: Path, extra: list
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.output
     assert not out.exists() and not list(tmp_path.glob(".*partial"))
+
+
+@pytest.mark.parametrize("ranks", [False, True])
+def test_a_patched_forward_that_raises_fails_the_fusion_or_on_ranks_the_run(monkeypatch, ranks: bool) -> None:
+    """In one process a patched forward that raises is a failed fusion; on tensor-parallel ranks it ends the run,
+    since the other ranks wait in that forward's all-reduce (torchrun then stops them all)."""
+    from fusionscope import models
+    from fusionscope.apply import numerics
+    from fusionscope.apply import run as apply_run
+
+    workload = models.build_workload(models.resolve_model("tiny-llama"), torch.device("cpu"), torch.float32,
+                                     prompt_len=8, decode_steps=2)  # fmt: skip
+    real = numerics.reference
+    norm = workload.module.model.norm
+
+    def raises_when_patched(*args, **kwargs):
+        if "forward" in vars(norm):  # the rms_norm patch binds the norm's forward on the instance
+            raise RuntimeError("a rank's kernel failed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(numerics, "reference", raises_when_patched)
+    monkeypatch.setattr(apply_run, "in_ranks", lambda: ranks)
+    found = [{"fusion": "rms_norm", "phase": "decode", "confidence": "high", "module_paths": ["model.norm"]}]
+    if ranks:
+        with pytest.raises(RuntimeError, match="a rank's kernel failed"):
+            apply_run.run_apply(workload, {"opportunities": found}, None, 1, Path("."), lambda _line: None)
+        return
+    result = apply_run.run_apply(workload, {"opportunities": found}, None, 1, Path("."), lambda _line: None)
+    row = result["fusions"][0]
+    assert row["status"] == "failed" and "raised RuntimeError: a rank's kernel failed" in row["reason"]

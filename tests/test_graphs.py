@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from contextlib import nullcontext
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -262,3 +263,30 @@ def test_torch_compile_of_a_gemma2_decode_on_this_cache_compiles_once() -> None:
         decoder.step()
     assert dynamo.utils.counters["stats"]["unique_graphs"] == 1
     dynamo.reset()
+
+
+def test_a_subclass_of_the_sliding_window_layer_keeps_its_own_state(monkeypatch) -> None:
+    """Only transformers' plain sliding-window layer becomes a static layer: a subclass (a hybrid layer that also
+    holds linear-attention state, as transformers has) would lose what it adds."""
+    import transformers
+    from transformers import Gemma2Config
+    from transformers.cache_utils import StaticSlidingWindowLayer
+
+    class Hybrid(StaticSlidingWindowLayer):
+        pass
+
+    made = transformers.StaticCache
+
+    def with_a_hybrid(**kwargs):
+        cache = made(**kwargs)
+        first = cache.layers[0]
+        cache.layers[0] = Hybrid(max_cache_len=kwargs["max_cache_len"], sliding_window=first.max_cache_len)
+        return cache
+
+    monkeypatch.setattr(transformers, "StaticCache", with_a_hybrid)
+    config = Gemma2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                          head_dim=16, intermediate_size=64, vocab_size=97, sliding_window=64,
+                          query_pre_attn_scalar=16)  # fmt: skip
+    cache = graphs.static_cache(SimpleNamespace(config=config), max_len=20)
+    assert type(cache.layers[0]) is Hybrid  # kept, though its window holds the run
+    assert [type(layer).__name__ for layer in cache.layers[1:]] == ["StaticLayer"]

@@ -58,13 +58,13 @@ def static_cache(model: nn.Module, max_len: int) -> Any:
     `StaticLayer` in its place; the cache is ours, no transformers class is changed. A layer that can roll stays
     (a capture is refused: `window_overrun`)."""
     from transformers import StaticCache
-    from transformers.cache_utils import StaticLayer
+    from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
     cache = StaticCache(config=model.config, max_cache_len=max_len)
     layers = getattr(cache, "layers", [])
     for index, layer in enumerate(layers):
-        never_rolls = getattr(layer, "max_cache_len", 0) >= max_len
-        if getattr(layer, "is_sliding", False) and type(layer) is not StaticLayer and never_rolls:
+        # exactly the sliding-window layer: a subclass (a hybrid with linear-attention state) keeps its own
+        if type(layer) is StaticSlidingWindowLayer and layer.max_cache_len >= max_len:
             layers[index] = StaticLayer(max_cache_len=max_len)
     return cache
 

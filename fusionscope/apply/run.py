@@ -30,7 +30,7 @@ from typing import Any
 
 import pandas as pd
 
-from fusionscope.apply.lockstep import agree
+from fusionscope.apply.lockstep import agree, in_ranks
 from fusionscope.errors import UsageError
 from fusionscope.run import Run, Settings, finish_run_folder, load_run, prepare, profile_stages, staged_dir
 
@@ -377,6 +377,8 @@ def run_apply(
                 test = reference(model)
                 draws = numerics.check_draws(sampler, ref) if "sampling" in fusions else None
             except Exception as exc:  # a patched forward that raises is a failed fusion, not a failed run
+                if in_ranks():  # ... except on tensor-parallel ranks: the others wait in this forward's all-reduce
+                    raise
                 return {}, {}, False, f"the patched model raised {type(exc).__name__}: {str(exc).splitlines()[0]}"
         fig, fig32 = numerics.compare(test, ref), numerics.compare(test, ref32)
         ok, why = numerics.judge(fig, fig32, eager_raw, dtype, real_weights)
