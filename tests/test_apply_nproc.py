@@ -4,9 +4,11 @@ refused in one line before any rank starts."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -61,14 +63,16 @@ def test_nproc_1_applies_what_a_plain_apply_applies(tmp_path: Path, tp_apply: Pa
 
 
 def _lockstep_rank(rank: int, world: int, port: int, folder: str) -> None:
-    """Rank 1's own judge fails every fusion; rank 0's passes them: both ranks must patch and report as rank 0."""
+    """Rank 1's own judge fails every fusion and its own timings find nothing slower; rank 0's pass them and find
+    rms_norm slower: both ranks must patch, report and time as rank 0 decided."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TRITON_INTERPRET="1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from torch.distributed.device_mesh import init_device_mesh
 
     from fusionscope import distributed, models
-    from fusionscope.apply import lockstep, numerics
+    from fusionscope.apply import lockstep, measure, numerics
+    from fusionscope.apply import run as apply_run
     from fusionscope.apply.run import run_apply
 
     if rank == 1:
@@ -86,7 +90,24 @@ def _lockstep_rank(rank: int, world: int, port: int, folder: str) -> None:
     result = run_apply(workload, summary, None, 1, Path(folder), lambda _line: None)
     statuses = {row["fusion"]: (row["status"], row["reason"]) for row in result["fusions"]}
     agreed = lockstep.agree(f"rank {rank}")
-    Path(folder, f"rank{rank}.json").write_text(json.dumps({"statuses": statuses, "agreed": agreed}))
+    # timing: rank 0 finds rms_norm clearly slower alone in decode, rank 1 finds nothing slower; both must time rank
+    # 0's second set (the rounds themselves are left out here: on a CPU they would time the interpreter)
+    timed: list[list[str]] = []
+
+    def timed_set(workload, variants, *args, **kwargs):
+        timed.append(list(variants))
+        return {name: SimpleNamespace(name=name, peak_mib=0.0) for name in variants}
+
+    apply_run._timed_set = timed_set
+    apply_run.clearly_slower = lambda variant, baseline, phase: rank == 0 and variant.name == "rms_norm"
+    apply_run.phase_figures = lambda *args, **kwargs: {}
+    measure.gpu_figures = lambda *args, **kwargs: {}
+    passing = [f for f, (status, _why) in statuses.items() if status == "passed"]
+    timing = apply_run.measure_variants(workload, {"phases": {"decode": {}}}, passing,
+                                        lambda _fusions: contextlib.nullcontext(), None, 1, Path(folder),
+                                        lambda _line: None, together_ok=True)  # fmt: skip
+    Path(folder, f"rank{rank}.json").write_text(json.dumps({"statuses": statuses, "agreed": agreed, "timed": timed,
+                                                            "all_together": timing["all_together"]}))  # fmt: skip
     dist.destroy_process_group()
 
 
@@ -96,6 +117,9 @@ def test_every_rank_follows_rank_0s_decisions(tmp_path: Path, two_gloo_ranks) ->
     assert ranks[0]["statuses"]["silu_and_mul"][0] == ranks[0]["statuses"]["rms_norm"][0] == "passed"
     assert ranks[1]["statuses"] == ranks[0]["statuses"]  # rank 1's own failing judge was overruled
     assert [r["agreed"] for r in ranks] == ["rank 0", "rank 0"]
+    second = ["baseline", "all together (decode)"]
+    assert ranks[0]["timed"][1] == second and ranks[1]["timed"] == ranks[0]["timed"]  # rank 0's choice, timed by both
+    assert ranks[1]["all_together"] == ranks[0]["all_together"] == {"decode": "all together (decode)"}
 
 
 def test_agree_outside_ranks_is_the_value_itself() -> None:
