@@ -137,7 +137,7 @@ def test_graph_predictions_add_the_gap_between_kernels_to_the_gpu_time(monkeypat
     monkeypatch.setattr(graphs, "run_graphs", measured)
     timing = {"variants": {run.BASELINE: {"phases": {"decode": {"wall_ms": 30.0}}}}}
     out = run.graph_variants(None, summary, ["add_rms_norm", "sampling"], None, None, None, {}, False, 1,
-                             lambda _: None, True, timing=timing)  # fmt: skip
+                             lambda _: None, True, None, timing=timing)  # fmt: skip
     pred = out["predicted"]
     assert pred["graph_ms"] == pytest.approx((6000 + 1500 * 0.5) / 1e3)
     assert pred["fused_graph_ms"] == pytest.approx((6000 - 800 + (1500 - 576 + 64) * 0.5) / 1e3)

@@ -156,7 +156,7 @@ def test_graphs_together_captures_the_graph_alone_and_fused_only(monkeypatch, ea
     monkeypatch.setattr(graphs, "run_graphs", fake_run_graphs)
     summary = {"phases": {"decode": {}}, "opportunities": []}
     out = run.graph_variants(None, summary, ["rope", "qkv", "sampling"], None, None, None, {}, False, 1,
-                             lambda _: None, each, timing=None)  # fmt: skip
+                             lambda _: None, each, None, timing=None)  # fmt: skip
     alone = {"rope + graph": ["rope"], "qkv + graph": ["qkv"]} if each else {}
     assert captured == [{graphs.GRAPH: [], **alone, graphs.FUSED_GRAPH: ["rope", "qkv"]}]
     said = "not measured (--graphs-together): rope + graph, qkv + graph"

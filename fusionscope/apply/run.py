@@ -431,7 +431,7 @@ def run_apply(
         "rows": [],
     }
     graph_args = (workload, summary, passing, enter, ref, ref32, eager_raw, real_weights, repeats, note,
-                  not graphs_together)  # fmt: skip
+                  not graphs_together, tmp / "kernels.csv")  # fmt: skip
     if not gpu:
         result["timing_note"] = (
             "not measured: on a CPU the kernels run in the Triton interpreter, so a timing "
@@ -464,15 +464,16 @@ def run_apply(
 
 def graph_variants(workload: Any, summary: dict, passing: list[str], enter: Callable[[list[str]], Any], ref: Any,
                    ref32: Any, eager_raw: dict, real_weights: bool, repeats: int, note: Callable[[str], None],
-                   each: bool, timing: dict | None) -> dict:  # fmt: skip
+                   each: bool, kernels_csv: Path | None, timing: dict | None) -> dict:  # fmt: skip
     """`apply --graphs`: the graph alone, each passing fusion + graph (unless `each` is False), and fused + graph
     (every passing fusion: under a graph the host cost that can make a fusion slower in eager mode is gone, and each
     fusion + graph is measured on its own beside it), beside the peers (`graphs.run_graphs`), with the step model's
     predictions: a graph alone removes `cuda_graph_share_unfused` of the eager step, a graph after the fusions
     `cuda_graph_share` of the fused step, so fused + graph runs at the fused GPU time and its gain over the graph
     alone is the all-together GPU speedup. Greedy decoding (a graph step picks by argmax), so the sampling fusion
-    takes no part."""
-    from fusionscope.apply import graphs
+    takes no part. `kernels_csv` (the profile's kernel table) is what the graph alone's replayed step is compared
+    with (`step_drift`): the predictions' baseline."""
+    from fusionscope.apply import graphs, step_drift
 
     together = [f for f in passing if f != "sampling"]
     eager_ms = None
@@ -519,6 +520,9 @@ def graph_variants(workload: Any, summary: dict, passing: list[str], enter: Call
             row["error_vs_predicted"] = ms / out["predicted"][key] - 1 if ms and out["predicted"][key] else None
     measured = out.get("fused_vs_graph")
     out["error_fused_vs_graph"] = measured / fused_gpu - 1 if measured and fused_gpu else None
+    replayed = ((out["variants"].get(graphs.GRAPH) or {}).get("replay") or {}).get("breakdown")
+    if replayed and kernels_csv is not None:
+        out["step_drift"] = step_drift.step_drift(step_drift.profiled_step(kernels_csv), replayed)
     graph_ms = out["variants"].get(graphs.GRAPH, {}).get("ms_per_token")
     out["graph_vs_eager"] = eager_ms / graph_ms if eager_ms and graph_ms else None
     want = out["predicted"]["graph_vs_eager"]

@@ -171,6 +171,10 @@ def graphs_table(graphs: Mapping[str, Any]) -> str:
         f"{_num(graphs.get('compile_seconds'), '.0f')} s)."
     )
     note = f'<p class="note">{html.escape(lines)}</p>'
+    from fusionscope.apply.step_drift import drift_line
+
+    if drift := drift_line(graphs.get("step_drift")):
+        note += f'<p class="note">{html.escape(drift)}</p>'
     if graphs.get("timing_note"):
         note += f'<p class="note">{html.escape(graphs["timing_note"])}</p>'
     return _table(head, rows, "table-apply-graphs") + note
