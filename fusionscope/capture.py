@@ -26,6 +26,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from fusionscope.models import Workload
+from fusionscope.static_cache import empty
 
 STEP_PREFIX = "ProfilerStep#"
 PHASE_PREFIX = "fusionscope.phase:"
@@ -85,20 +86,49 @@ def run_sequence(workload: Workload, run_step: StepRunner, sampler: Any = None) 
         def pick(logits: torch.Tensor) -> torch.Tensor:
             return picker(ids, logits)
 
+        static = static_cache_of(workload)
+        seq = ids.shape[1]
+        # a static cache's rows are addressed by position: the prompt's, then one per decode step (made up front)
+        positions = []
+        if static is not None:
+            positions = [torch.arange(seq, device=ids.device)]
+            positions += [torch.tensor([seq + i], device=ids.device) for i in range(workload.decode_steps)]
+
+        def at(i: int) -> dict[str, Any]:
+            """The keywords that place call i (0: the prefill) in the static cache."""
+            return {} if static is None else {names["cache"]: static, "cache_position": positions[i]}
+
         def prefill() -> tuple[Any, torch.Tensor]:
-            out = model(ids, use_cache=True, **extra)
+            out = model(ids, use_cache=True, **extra, **at(0))
             return out, pick(out.logits)
 
         for _ in range(PREFILL_REPEATS):
+            if static is not None:
+                empty(static)  # every prefill starts the sequence over (outside the step: not its work)
             out, token = run_step("prefill", prefill)
         cache = getattr(out, "cache", None) or out.past_key_values
-        for _ in range(workload.decode_steps):
+        for i in range(workload.decode_steps):
 
-            def decode(token: torch.Tensor = token) -> tuple[Any, torch.Tensor]:
-                step_out = model(token, use_cache=True, **{names["cache"]: cache})
+            def decode(token: torch.Tensor = token, i: int = i) -> tuple[Any, torch.Tensor]:
+                step_out = model(
+                    token, use_cache=True, **(at(i + 1) if static is not None else {names["cache"]: cache})
+                )
                 return step_out, pick(step_out.logits)
 
             _, token = run_step("decode", decode)
+
+
+def static_cache_of(workload: Workload) -> Any:
+    """The workload's static cache (made on first use, for the prompt and every decode step), or None when its
+    decode runs on the dynamic cache."""
+    if getattr(workload, "cache", "dynamic") != "static":
+        return None
+    if workload.static is None:
+        from fusionscope.static_cache import static_cache
+
+        (ids,) = workload.inputs
+        workload.static = static_cache(workload.module, ids.shape[1] + workload.decode_steps)
+    return workload.static
 
 
 @contextmanager

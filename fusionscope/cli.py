@@ -95,6 +95,9 @@ SampleOpt = Annotated[
 TemperatureOpt = Annotated[float, typer.Option(help="--sample: logits divided by this")]
 TopKOpt = Annotated[int, typer.Option(help="--sample: keep the k most likely tokens")]
 TopPOpt = Annotated[float, typer.Option(help="--sample: keep the smallest set holding this probability")]
+CacheOpt = Annotated[
+    str, typer.Option(help="the KV cache decode runs on: dynamic (transformers' default) or static (as CUDA graphs)")
+]
 NprocOpt = Annotated[
     int | None,
     typer.Option(help="shard the model over N tensor-parallel ranks (torchrun; NCCL on GPUs, gloo on the CPU)"),
@@ -127,6 +130,7 @@ def profile(
     top_k: TopKOpt = 50,
     top_p: TopPOpt = 0.9,
     nproc: NprocOpt = None,
+    cache: CacheOpt = "dynamic",
 ) -> None:
     """Capture MODEL under torch.profiler, classify every kernel against the measured roofs, write a run folder."""
     from fusionscope.run import profile as run_profile
@@ -135,7 +139,7 @@ def profile(
     run = run_with_progress("profiling", run_profile, model=model, out=out_dir, batch=batch, prompt_len=prompt_len,
                             decode_steps=decode_steps, dtype=dtype, device=device, warmup=warmup, remeasure=remeasure,
                             sample=sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                            nproc=nproc)  # fmt: skip
+                            nproc=nproc, cache=cache)  # fmt: skip
     print_summary(run.summary)
     out.print(f"report: {run.report_path}   ({time.perf_counter() - t0:.1f} s in all)")
 
@@ -396,6 +400,10 @@ def apply(
         ),
     ] = None,
     nproc: NprocOpt = None,
+    cache: Annotated[
+        str,
+        typer.Option(help="the KV cache decode runs on: dynamic, static, or auto (static with --graphs, else dynamic)"),
+    ] = "auto",
 ) -> None:
     """Patch the fusions found into MODEL, check the numerics, measure before and after, predicted vs measured."""
     from fusionscope.apply.run import apply as run_apply
@@ -406,7 +414,7 @@ def apply(
                             device=device, warmup=warmup, remeasure=remeasure, sample=sample,
                             temperature=temperature, top_k=top_k, top_p=top_p, graphs=graphs,
                             graphs_only=graphs_only, graphs_together=graphs_together, quantize=quantize,
-                            nproc=nproc)  # fmt: skip
+                            nproc=nproc, cache=cache)  # fmt: skip
     print_summary(run.summary)
     if quantization := run.summary["apply"].get("quantization"):
         from fusionscope.report.formatting import NUMERICS_CELLS, fmt_figure

@@ -331,7 +331,8 @@ def build_module(spec: Any, device: Any, dtype: Any, mesh: Any, world: int) -> t
 
 def build_sharded_workload(spec: Any, device: Any, dtype: Any, *, mesh: Any, world: int, applied: dict[str, str],
                            batch: int = 1, prompt_len: int = 64, decode_steps: int = 8,
-                           sampling: tuple[float, int, float] | None = None, seed: int = 0) -> Any:  # fmt: skip
+                           sampling: tuple[float, int, float] | None = None, seed: int = 0,
+                           cache: str = "dynamic") -> Any:  # fmt: skip
     """`models.build_workload` for one rank of a sharded model (same checks, same inputs on every rank: the prompt
     ids come from the same seed); `applied` receives the plan applied."""
     import torch
@@ -358,7 +359,7 @@ def build_sharded_workload(spec: Any, device: Any, dtype: Any, *, mesh: Any, wor
     return models.Workload(spec=spec, module=module, device=device, dtype=dtype,
                            phases=("prefill", "decode") if decode_steps else ("prefill",), batch=batch,
                            prompt_len=prompt_len, decode_steps=decode_steps, inputs=(ids,), params=params,
-                           family=getattr(config, "model_type", ""), sampling=sampling)  # fmt: skip
+                           family=getattr(config, "model_type", ""), sampling=sampling, cache=cache)  # fmt: skip
 
 
 def retag_rank(src: Path, dst: Path, rank: int) -> None:
@@ -463,7 +464,7 @@ def follow(settings: Settings, spec: Any, device: Any, dtype: Any, folder: Path,
 
     scratch = folder / SCRATCH
     workload = build(spec, device, dtype, batch=settings.batch, prompt_len=settings.prompt_len,
-                     decode_steps=settings.decode_steps, sampling=settings.sampling)  # fmt: skip
+                     decode_steps=settings.decode_steps, sampling=settings.sampling, cache=settings.cache)  # fmt: skip
     mine = scratch / f"rank{rank}"
     mine.mkdir()
     cap = capture.capture(workload, mine, warmup=settings.warmup)

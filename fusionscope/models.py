@@ -156,6 +156,8 @@ class Workload:
     family: str = ""
     # (temperature, top_k, top_p): pick each next token as `generate()` samples it; None: greedy argmax
     sampling: tuple[float, int, float] | None = None
+    cache: str = "dynamic"  # the KV cache decode runs on: "dynamic" (transformers' default) or "static"
+    static: Any = None  # with cache "static": the one StaticCache every pass reuses (`capture.run_sequence`)
 
 
 def resolve_model(model: str) -> ModelSpec:
@@ -303,13 +305,16 @@ def build_workload(
     decode_steps: int = 8,
     seed: int = 0,
     sampling: tuple[float, int, float] | None = None,
+    cache: str = "dynamic",
 ) -> Workload:
     """Build the module (random weights unless the spec has real ones) and its inputs, on `device` in `dtype`.
 
     `sampling=(temperature, top_k, top_p)` makes each step draw its next token (ignored for factory models, which
-    have no generation loop)."""
+    have no generation loop). `cache="static"`: decode runs on a transformers StaticCache (`fusionscope.static_cache`)
+    instead of the dynamic cache."""
     if batch < 1 or prompt_len < 1 or decode_steps < 0:
         raise UsageError("--batch and --prompt-len must be ≥ 1 and --decode-steps ≥ 0")
+    check_cache(cache)
     if sampling is not None:
         temperature, top_k, top_p = sampling
         if not (temperature > 0 and top_k >= 1 and 0 < top_p <= 1):
@@ -349,7 +354,16 @@ def build_workload(
         params=params,
         family=getattr(config, "model_type", ""),
         sampling=sampling,
+        cache=cache,
     )
+
+
+CACHES = ("dynamic", "static")
+
+
+def check_cache(cache: str) -> None:
+    if cache not in CACHES:
+        raise UsageError(f"unknown --cache '{cache}': use dynamic (transformers' default) or static")
 
 
 def _load_factory(path: Path, func: str) -> Callable[..., Any]:

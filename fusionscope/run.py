@@ -105,6 +105,7 @@ class Settings:
     top_k: int = 50
     top_p: float = 0.9
     nproc: int | None = None  # tensor-parallel ranks (`fusionscope.distributed`); None: one process, no launcher
+    cache: str = "dynamic"  # the KV cache decode runs on: "dynamic" or "static" (`fusionscope.static_cache`)
 
     @property
     def sampling(self) -> tuple[float, int, float] | None:
@@ -138,13 +139,15 @@ def profile(
     top_p: float = 0.9,
     on_stage: Callable[[str], None] | None = None,
     nproc: int | None = None,
+    cache: str = "dynamic",
 ) -> Run:
     """Profile MODEL and write its run folder (trace, tables, summary.json, report.html); return the Run.
 
     `sample=True` picks each next token as `generate(do_sample=True)` does (temperature → top-k → top-p → draw)
-    instead of by argmax. `nproc=N` shards the model over N tensor-parallel ranks (`fusionscope.distributed`)."""
+    instead of by argmax. `nproc=N` shards the model over N tensor-parallel ranks (`fusionscope.distributed`).
+    `cache="static"` decodes on a transformers StaticCache, as a serving engine and a CUDA graph do."""
     settings = Settings(model, batch, prompt_len, decode_steps, dtype, device, warmup, remeasure, sample, temperature,
-                        top_k, top_p)  # fmt: skip
+                        top_k, top_p, cache=cache)  # fmt: skip
     if nproc is not None:
         from fusionscope.distributed import profile_tp
 
@@ -168,6 +171,7 @@ def prepare(settings: Settings, out: str | Path | None) -> tuple[Path, Any, Any,
     check_out_dir(out_dir)
     if settings.warmup < 0:
         raise UsageError("--warmup must be ≥ 0")
+    models.check_cache(settings.cache)
     return out_dir, spec, dev, torch_dtype
 
 
@@ -191,6 +195,7 @@ def profile_stages(settings: Settings, spec: Any, dev: Any, torch_dtype: Any, tm
         prompt_len=settings.prompt_len,
         decode_steps=settings.decode_steps,
         sampling=settings.sampling,
+        cache=settings.cache,
     )
     note("measuring the device's roofs")
     ceilings = get_ceilings(dev, remeasure=settings.remeasure)
@@ -207,6 +212,7 @@ def profile_stages(settings: Settings, spec: Any, dev: Any, torch_dtype: Any, tm
         "prompt_len": settings.prompt_len if workload.phases != ("forward",) else None,
         "decode_steps": settings.decode_steps if workload.phases != ("forward",) else None,
         "sampling": dict(zip(("temperature", "top_k", "top_p"), workload.sampling)) if workload.sampling else None,
+        "cache": workload.cache if workload.phases != ("forward",) else None,
     }
     floor = None
     if "decode" in workload.phases:

@@ -55,6 +55,18 @@ def test_prefill_and_longer_queries_are_not_decode_attention() -> None:
     assert len(fusion.find(graph(single))) == 1
 
 
+def test_a_one_token_query_with_its_gqa_groups_packed_is_decode_attention() -> None:
+    """transformers 5.24 passes a masked one-token GQA query as (B, K, H/K, d), reshaped from (B, H, 1, d)."""
+    packed = (1, 2, 4, 64)
+    rows = [(0, "aten::mm", (-1,), ()), (1, "aten::reshape", (0,), (Q,)), (2, "aten::view", (1,), (Q,)),
+            (3, "aten::scaled_dot_product_attention", (2, -1, -1), (packed, K, K))]  # fmt: skip
+    (match,) = fusion.find(graph(rows))
+    assert match.nodes == (3,) and match.rejected == ""
+    prefill = [(0, "aten::mm", (-1,), ()), (1, "aten::view", (0,), ((1, 8, 4, 64),)),
+               (3, "aten::scaled_dot_product_attention", (1, -1, -1), ((1, 2, 16, 64), K, K))]  # fmt: skip
+    assert fusion.find(graph(prefill)) == []  # four positions per head: not one token's query
+
+
 def test_an_expanded_cache_read_elsewhere_is_rejected_with_its_reason() -> None:
     rows = [(0, "aten::mm", (-1,), ()), (1, "aten::mm", (-1,), ()), *repeat_kv_rows(10, 1),
             (30, "aten::_scaled_dot_product_efficient_attention", (0, 13, -1), (Q, EXPANDED, K)),

@@ -61,6 +61,7 @@ def reference(
     decode_steps: int,
     sampler: Picker | None = None,
     max_logits: int = MAX_LOGITS,
+    cache: str = "dynamic",
 ) -> Reference:
     """Run `model` (a causal LM) on ids: (B, S): one prefill forward, then `decode_steps` cached forwards of one token
     each, every next token picked greedily (or by `sampler(ids_so_far, logits)` → (B, 1), e.g. the run's `Sampler`,
@@ -68,8 +69,13 @@ def reference(
     own cache (`use_cache=True`, passed back under the keyword the installed transformers takes).
 
     Memory: the prefill keeps the last `kept_positions(B, S, V, max_logits)` positions, asked of the model through
-    `logits_to_keep` where its forward takes it (so the LM head runs only on them); decode keeps B·T·V fp32."""
+    `logits_to_keep` where its forward takes it (so the LM head runs only on them); decode keeps B·T·V fp32.
+
+    `cache="static"`: on a transformers StaticCache of S + T positions made for this call, each row placed by its
+    position (what `--cache static` profiles and times, so a fusion's kernel for the static path is the one checked).
+    """
     from fusionscope.capture import _forward_kwargs
+    from fusionscope.static_cache import static_cache
 
     names = _forward_kwargs(model)
     device = _device_of(model)
@@ -82,15 +88,24 @@ def reference(
     if hasattr(sampler, "reset"):
         sampler.reset()
     with torch.inference_mode():
-        out = model(ids, use_cache=True, **extra)
+        static = static_cache(model, seq + decode_steps) if cache == "static" else None
+
+        def placed(position: int, length: int) -> dict[str, Any]:
+            """With the static cache: the positions this call writes (the mask and the rotary embedding follow them)."""
+            if static is None:
+                return {}
+            return {"cache_position": torch.arange(position, position + length, device=device)}
+
+        first = {names["cache"]: static} if static is not None else {}
+        out = model(ids, use_cache=True, **extra, **first, **placed(0, seq))
         prefill = out.logits[:, -keep:].float()
         token = pick(ids, out.logits[:, -1:])
         tokens, decode, seen = [token], [], ids
-        cache = _cache_of(out, None)
-        for _ in range(decode_steps):
+        kv = static if static is not None else _cache_of(out, None)
+        for step in range(decode_steps):
             seen = torch.cat([seen, token], dim=1)
-            out = model(token, use_cache=True, **{names["cache"]: cache})
-            cache = _cache_of(out, cache)
+            out = model(token, use_cache=True, **{names["cache"]: kv}, **placed(seq + step, 1))
+            kv = kv if static is not None else _cache_of(out, kv)
             decode.append(out.logits[:, -1].float())
             token = pick(seen, out.logits[:, -1:])
             tokens.append(token)

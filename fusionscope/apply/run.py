@@ -38,7 +38,7 @@ BASELINE = "baseline"
 ALL_FOUND = "all found"
 ALL_TOGETHER = "all together"
 # The keys of a workload that an earlier run's predictions must share with this one (`--from`).
-MATCHING_KEYS = ("name", "dtype", "batch", "prompt_len", "decode_steps", "sampling")
+MATCHING_KEYS = ("name", "dtype", "batch", "prompt_len", "decode_steps", "sampling", "cache")
 
 
 @dataclass
@@ -88,6 +88,7 @@ def apply(
     graphs_together: bool = False,
     quantize: str | None = None,
     nproc: int | None = None,
+    cache: str = "auto",
     on_stage: Callable[[str], None] | None = None,
 ) -> ApplyRun:
     """Profile MODEL (or take `from_run`'s predictions), patch the fusions found (`fusions`: "all", "a,b" or a list),
@@ -103,9 +104,27 @@ def apply(
     against the float model is `summary["apply"]["quantization"]`, apart from each fusion's.
 
     `nproc=N` runs it on N tensor-parallel ranks (`fusionscope.distributed`): every rank patches and runs its shard
-    in step with the others, rank 0 decides (`lockstep.agree`) and writes the run folder."""
+    in step with the others, rank 0 decides (`lockstep.agree`) and writes the run folder.
+
+    `cache`: the KV cache the profiled, checked and timed decode steps run on, "dynamic" or "static"; "auto" is
+    static with `graphs` (the step the graph captures, so its predictions start from that step) and dynamic
+    otherwise."""
+    if cache == "auto":
+        cache = "static" if graphs else "dynamic"
     settings = Settings(
-        model, batch, prompt_len, decode_steps, dtype, device, warmup, remeasure, sample, temperature, top_k, top_p
+        model,
+        batch,
+        prompt_len,
+        decode_steps,
+        dtype,
+        device,
+        warmup,
+        remeasure,
+        sample,
+        temperature,
+        top_k,
+        top_p,
+        cache=cache,
     )
     options = ApplyOptions(parse_fusions(fusions), repeats, graphs, graphs_only, graphs_together, quantize)
     check_options(options, decode_steps, nproc, from_run)
@@ -226,7 +245,8 @@ def apply_stages(settings: Settings, spec: Any, dev: Any, torch_dtype: Any, tmp:
         summary["predictions_from"] = str(earlier.out_dir)
         note(f"building {spec.name} on {dev.type} in {str(torch_dtype).removeprefix('torch.')}")
         workload = build_quantized(spec, dev, torch_dtype, batch=settings.batch, prompt_len=settings.prompt_len,
-                                   decode_steps=settings.decode_steps, sampling=settings.sampling)  # fmt: skip
+                                   decode_steps=settings.decode_steps, sampling=settings.sampling,
+                                   cache=settings.cache)  # fmt: skip
     if options.graphs and workload.phases != ("prefill", "decode"):
         raise UsageError(f"--graphs needs a generation model with a decode phase; {spec.name} has none")
     if quantized:
@@ -280,9 +300,12 @@ def check_same_workload(earlier: dict, name: str, settings: Settings, dtype: str
         "prompt_len": settings.prompt_len,
         "decode_steps": settings.decode_steps,
         "sampling": dict(zip(("temperature", "top_k", "top_p"), settings.sampling)) if settings.sampling else None,
+        "cache": settings.cache,
     }
+    model = {"cache": "dynamic", **model}  # a run made before the option decoded on the dynamic cache
     if model.get("prompt_len") is None:  # a factory model: one forward phase, no prompt or decode steps
-        now.update(prompt_len=None, decode_steps=None)
+        now.update(prompt_len=None, decode_steps=None, cache=None)
+        model["cache"] = None
     diffs = [f"{k} {model.get(k)!r} there, {now[k]!r} here" for k in MATCHING_KEYS if model.get(k) != now[k]]
     device = earlier.get("device") if isinstance(earlier.get("device"), dict) else {}
     if device.get("kind") != device_kind:
@@ -346,7 +369,7 @@ def run_apply(
     def reference(of: Any) -> Any:
         if forward_only:
             return numerics.forward_reference(of, workload.inputs)
-        return numerics.reference(of, workload.inputs[0], workload.decode_steps)
+        return numerics.reference(of, workload.inputs[0], workload.decode_steps, cache=workload.cache)
 
     dtype = workload.dtype
     gpu = workload.device.type == "cuda"

@@ -1,11 +1,12 @@
 """What the captured decode step runs that the profiled step did not: the check on the graph predictions' baseline.
 
 `apply --graphs` predicts the graph alone and fused + graph from the profiled eager decode step (its GPU time, less
-what the fusions save, plus the gap roof per kernel). The graph captures another step: transformers' static cache
-instead of the dynamic one the profile ran, and that can change the kernels themselves — at batch 16 on llama-3.1-8b
-Hugging Face's static-cache attention copies K and V to every query head (5.2 ms of the graph's 14.1 ms of kernels)
-and runs cuDNN's attention over the whole cache, neither of which the profiled step holds (2026-12-02, H200). Then
-every graph prediction starts from the wrong step, and the miss is the baseline's, not the fusions'. The graph
+what the fusions save, plus the gap roof per kernel). When the profile ran another step than the one captured — the
+dynamic cache (`--cache dynamic`, and every run before `--cache` existed) where the graph runs transformers' static
+cache — the kernels themselves can differ: at batch 16 on llama-3.1-8b Hugging Face's static-cache attention copied
+K and V to every query head (5.2 ms of the graph's 14.1 ms of kernels) and ran cuDNN's attention over the whole
+cache, neither of which the profiled step held (2026-12-02, H200: fused + graph's gain 88% above its prediction).
+Then every graph prediction starts from the wrong step, and the miss is the baseline's, not the fusions'. The graph
 alone's replay is profiled with each kernel's launching op (`apply.replay`), so the two steps compare per launching
 op: this module says by how much their kernel time differs and where, so the run names the cause of such a miss
 itself.

@@ -2,7 +2,8 @@
 that reads the cache once, whatever the GQA ratio, with no mask.
 
 Pattern, on the dataflow: a fused attention op (`aten::scaled_dot_product_attention` or the
-`aten::_scaled_dot_product_*` backend op it dispatches to) whose query has one position, in a decode step; where K
+`aten::_scaled_dot_product_*` backend op it dispatches to) whose query has one position (or is such a query's GQA
+groups packed into the position dim, as transformers 5.24 passes a masked one), in a decode step; where K
 and V reach it through Hugging Face's `repeat_kv` (unsqueeze → expand → clone/_unsafe_view, in the same module),
 those copies join the group. Per step: L matches (one per attention layer).
 
@@ -60,6 +61,22 @@ def _repeat_kv(graph: Graph, node: int, module: str) -> set[int]:
     return chain if any(graph.name.get(n) in ("aten::clone", "aten::expand") for n in chain) else set()
 
 
+def _one_position(graph: Graph, node: int, query: tuple, shapes: dict) -> bool:
+    """Whether the attention's query is one token's: (B, H, 1, d), or (B, K, H/K, d) reshaped from such a query
+    (transformers 5.24 packs a one-position GQA query that way, `pack_gqa`, instead of repeating K and V)."""
+    if len(query) != 4:
+        return False
+    if query[2] == 1:
+        return True
+    up = graph.producer(node)
+    while up >= 0 and graph.name.get(up) in ("aten::reshape", "aten::view", "aten::_unsafe_view"):
+        source = (shapes.get(up) or ((),))[0]
+        if len(source) == 4 and source[2] == 1 and source[1] == query[1] * query[2]:
+            return True
+        up = graph.producer(up)
+    return False
+
+
 def find(graph: Graph) -> list[Match]:
     shapes = graph.column("input_shapes", ())
     matches = []
@@ -68,7 +85,7 @@ def find(graph: Graph) -> list[Match]:
             continue
         phase, step = graph.where(node)
         query = (shapes.get(node) or ((),))[0]
-        if phase != "decode" or len(query) != 4 or query[2] != 1:
+        if phase != "decode" or not _one_position(graph, node, query, shapes):
             continue
         module = graph.module[node]
         group = {node}
