@@ -84,7 +84,10 @@ def test_apply_with_graphs_decodes_on_the_static_cache_unless_told(tmp_path: Pat
     told = apply("tiny-llama", fusions="rms_norm", graphs=True, cache="dynamic", out=tmp_path / "d", prompt_len=8,
                  decode_steps=2)  # fmt: skip
     assert told.summary["model"]["cache"] == "dynamic"
-    result = runner.invoke(app, ["apply", "--from", str(tmp_path / "p"), "--graphs", "--fusions", "rms_norm",
+    followed = apply("tiny-llama", fusions="rms_norm", graphs=True, from_run=tmp_path / "p", out=tmp_path / "f",
+                     prompt_len=8, decode_steps=2)  # fmt: skip
+    assert followed.summary["model"]["cache"] == "dynamic"  # auto with --from: the earlier run's cache
+    result = runner.invoke(app, ["apply", "--from", str(tmp_path / "p"), "--cache", "static", "--fusions", "rms_norm",
                                  "--out", str(tmp_path / "x"), "--prompt-len", "8", "--decode-steps", "2"])  # fmt: skip
     assert result.exit_code == 2 and "cache 'dynamic' there, 'static' here" in result.output
     assert not (tmp_path / "x").exists()

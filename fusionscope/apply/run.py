@@ -107,34 +107,22 @@ def apply(
     in step with the others, rank 0 decides (`lockstep.agree`) and writes the run folder.
 
     `cache`: the KV cache the profiled, checked and timed decode steps run on, "dynamic" or "static"; "auto" is
-    static with `graphs` (the step the graph captures, so its predictions start from that step) and dynamic
-    otherwise."""
-    if cache == "auto":
-        cache = "static" if graphs else "dynamic"
-    settings = Settings(
-        model,
-        batch,
-        prompt_len,
-        decode_steps,
-        dtype,
-        device,
-        warmup,
-        remeasure,
-        sample,
-        temperature,
-        top_k,
-        top_p,
-        cache=cache,
-    )
+    `from_run`'s, else static with `graphs` (the step the graph captures, so its predictions start from that step),
+    else dynamic."""
     options = ApplyOptions(parse_fusions(fusions), repeats, graphs, graphs_only, graphs_together, quantize)
     check_options(options, decode_steps, nproc, from_run)
+    earlier = load_run(from_run) if from_run is not None else None
+    if cache == "auto":
+        earlier_cache = ((earlier.summary.get("model") or {}).get("cache") or "dynamic") if earlier else None
+        cache = earlier_cache or ("static" if graphs else "dynamic")
+    settings = Settings(model, batch, prompt_len, decode_steps, dtype, device, warmup, remeasure, sample, temperature,
+                        top_k, top_p, cache=cache)  # fmt: skip
     if nproc is not None:
         from fusionscope.distributed import launch_tp
 
         return launch_tp(dataclasses.replace(settings, nproc=nproc), out, on_stage, options)
     note = on_stage or (lambda _msg: None)
     t_start = time.perf_counter()
-    earlier = load_run(from_run) if from_run is not None else None
     out_dir, spec, dev, torch_dtype = prepare(settings, out)
     prepare_kernels(dev, options)
     if earlier is not None:
