@@ -113,8 +113,7 @@ def apply(
     check_options(options, decode_steps, nproc, from_run)
     earlier = load_run(from_run) if from_run is not None else None
     if cache == "auto":
-        earlier_cache = ((earlier.summary.get("model") or {}).get("cache") or "dynamic") if earlier else None
-        cache = earlier_cache or ("static" if graphs else "dynamic")
+        cache = earlier_cache(earlier) or ("static" if graphs else "dynamic")
     settings = Settings(model, batch, prompt_len, decode_steps, dtype, device, warmup, remeasure, sample, temperature,
                         top_k, top_p, cache=cache)  # fmt: skip
     if nproc is not None:
@@ -134,6 +133,14 @@ def apply(
         finish_run_folder(tmp, summary, kernels, t_start, note)
     outcomes = pd.DataFrame(summary["apply"]["rows"])
     return ApplyRun(out_dir=out_dir, summary=summary, kernels=kernels, outcomes=outcomes)
+
+
+def earlier_cache(earlier: Run | None) -> str | None:
+    """The cache an earlier run decoded on ("dynamic" for runs made before it was recorded); None without a run or
+    with a summary that is not one (`check_same_workload` says so in its line)."""
+    summary = earlier.summary if earlier is not None else None
+    model = summary.get("model") if isinstance(summary, dict) else None
+    return (model.get("cache") or "dynamic") if isinstance(model, dict) else None
 
 
 @dataclass(frozen=True)
