@@ -22,8 +22,17 @@ CLASSES = ("compute", "memory", "latency", "unmodeled")
 
 
 def kernel_table(timeline: Timeline) -> pd.DataFrame:
-    """One row per GPU kernel (CPU runs: per aten op, timed by its self time) with flops, bytes, dtype, category."""
+    """One row per GPU kernel (CPU runs: per aten op, timed by its self time) with flops, bytes, dtype, category.
+    A timeline of several ranks (whose op ids, event positions in each rank's file, repeat across ranks) is costed
+    rank by rank: a join on op ids alone would give a kernel one row per rank holding its op id."""
     ops = timeline.ops
+    kernels = timeline.kernels
+    if "rank" in ops and "rank" in kernels and not ops["op_id"].is_unique:
+        ranks = sorted(set(ops["rank"].tolist()) | set(kernels["rank"].tolist()))
+        if len(ranks) > 1:
+            return pd.concat([kernel_table(Timeline(timeline.device_kind, ops[ops["rank"] == rank],
+                                                    kernels[kernels["rank"] == rank], timeline.steps))
+                              for rank in ranks], ignore_index=True)  # fmt: skip
     costs = _op_costs(ops)
     if timeline.device_kind == "cpu":
         costs = _self_costs(costs, ops.set_index("op_id")["parent_op"])

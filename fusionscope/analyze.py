@@ -48,6 +48,7 @@ from fusionscope.run import (
     staged_dir,
 )
 from fusionscope.trace import GPU_CATS, Timeline
+from fusionscope.trace_fields import to_int
 
 TRACE_PHASE = "trace"  # the one phase of a trace without fusionscope.phase ranges
 TRACE_COPY = "trace.json.gz"  # the run folder's copy, named as `profile` names its trace
@@ -63,7 +64,22 @@ MISSING_DATAFLOW = (
 )
 MISSING_ROOFS_FUSED = "device roofs: fusions are counted and timed now, their fused time is not estimated"
 ORDER_REASON = "edges inferred from op order and shapes (the trace holds no tensor identities)"
-MISSING_SHAPES = "recorded shapes: bytes/FLOPs not modelled"
+MISSING_SHAPES = (
+    "recorded shapes (record_shapes=True): ops.csv's input_dims, input_type and concrete_inputs hold none, so no op "
+    "has a bytes/FLOPs model (kernels.csv's flops, bytes, dtype, intensity and achieved rates are empty but for "
+    "copies and memsets) and the fusion catalogue has no dataflow edges to match on (kernels already fused are "
+    "still recognised by name)"
+)
+MISSING_STACKS = (
+    "Python call stacks (with_stack=True): no python_function events; no figure here reads them (module paths "
+    "come from nn.Module ranges), so no column is left empty for their lack"
+)
+MISSING_UNLAUNCHED = (
+    "the launches of {n} GPU events (launched before the profiler started, or by calls it did not record): they are "
+    "in kernels.csv, joined to an op by their External id where the trace holds it, else to no op, step or phase"
+)
+UNFILLED_PREFIX = "columns no row could fill: "
+STACK_CATS = ("python_function",)  # torch.profiler(with_stack=True) writes the Python frames as these events
 MISSING_STEPS = "ProfilerStep markers: the whole trace is one step"
 MISSING_PHASES = f'fusionscope.phase ranges: the whole trace is one phase, "{TRACE_PHASE}"'
 MISSING_MODULES = "nn.Module ranges: kernels and ops carry no module path"
@@ -76,6 +92,7 @@ class TraceFacts:
     path: Path
     gpu_name: str | None
     device_kind: str  # "cuda" when it holds GPU kernels, copies or memsets, else "cpu" (as `trace.Timeline` says)
+    has_stacks: bool = False  # Python frames recorded (`with_stack=True`: python_function events)
 
 
 def analyze(
@@ -119,6 +136,7 @@ def _analyze_file(path: Path, out: str | Path | None, device: str | None, on_sta
     parsed = parse_rank(facts, doc)
     del doc  # the decoded document is the largest thing in memory; the tables hold what is needed
     timeline, missing = fill_steps_and_phases(parsed.timeline, parsed.annotations)
+    missing += unlaunched_missing(parsed)
     record_ids = parsed.record_ids if et_path is not None else {}
     note("costing and classifying kernels")
     kernels = classify(kernel_table(timeline), roofs)
@@ -162,7 +180,7 @@ def parse_rank(facts: TraceFacts, doc: trace_events.TraceDocument) -> trace_even
     """The Timeline of a checked trace document (`trace_events`: the join `trace.load_timeline` makes, without
     decoding the file again), its rank from `distributedInfo` (0 without one); an empty one is refused."""
     info = doc.distributed_info
-    rank = info.get("rank", 0) if isinstance(info, dict) and isinstance(info.get("rank"), int) else 0
+    rank = max(to_int(info.get("rank"), 0), 0) if isinstance(info, dict) else 0
     with collector_paused():
         parsed = trace_events.parse_events(doc.events, rank)
     if parsed.timeline.ops.empty and parsed.timeline.kernels.empty:
@@ -245,9 +263,10 @@ def parse_trace(path: Path) -> tuple[TraceFacts, trace_events.TraceDocument]:
         raise UsageError(f"{path} holds no profiled ops or kernels (an empty trace)")
     kernels = [i for i, (c, p) in enumerate(zip(events.cat, events.ph)) if c == "kernel" and p == "X"]
     used = events.arg_columns(["device"], np.asarray(kernels, dtype=np.int64))["device"].tolist()
-    gpu = any(c in GPU_CATS for c in events.cat)
+    cats = set(events.cat)
     facts = TraceFacts(path=path, gpu_name=_gpu_name(doc.device_properties, used),
-                       device_kind="cuda" if gpu else "cpu")  # fmt: skip
+                       device_kind="cuda" if cats & set(GPU_CATS) else "cpu",
+                       has_stacks=bool(cats & set(STACK_CATS)))  # fmt: skip
     return facts, doc
 
 
@@ -271,10 +290,10 @@ def _gpu_name(properties: object, devices: list) -> str | None:
     `deviceProperties[].id`); the first listed device when kernels carry no id; None for a CPU-only trace."""
     listed = properties if isinstance(properties, list) else []
     named = [p for p in listed if isinstance(p, dict) and p.get("name")]
-    used = Counter(devices)
+    used = Counter(None if d is None else to_int(d) for d in devices)  # ROCm writes ids as hex strings: "0x0"
     if not named or not used:
         return None
-    by_id = {p.get("id"): str(p["name"]) for p in named}
+    by_id = {to_int(p.get("id")): str(p["name"]) for p in named}
     return next((by_id[d] for d, _ in used.most_common() if d in by_id), str(named[0]["name"]))
 
 
@@ -322,6 +341,38 @@ def fill_steps_and_phases(timeline: Timeline, annotations: pd.DataFrame | None =
         missing.append(MISSING_MODULES)
     filled = Timeline(device_kind=timeline.device_kind, ops=ops, kernels=kernels, steps=steps)
     return filled, missing
+
+
+def unlaunched_missing(parsed: trace_events.Parsed) -> list[str]:
+    """The `missing` line for GPU events whose launch is not in the trace (`trace_events._unlaunched`), if any."""
+    return [MISSING_UNLAUNCHED.format(n=parsed.unlaunched)] if parsed.unlaunched else []
+
+
+NO_VALUE = ("", "-1", "[]")  # what a column holds where the trace had nothing: HTA's defaults (and -1, NaN, None)
+
+
+def unfilled_columns(kernels: pd.DataFrame, ops: pd.DataFrame) -> dict[str, list[str]]:
+    """Per table written (kernels.csv, ops.csv), the columns no row has a value in: each value empty, NaN, None,
+    -1 or one of HTA's defaults for an argument the trace did not record (`"-1"`, `"[]"`, an empty list)."""
+
+    def empty(column: pd.Series) -> bool:
+        values = column.to_numpy()
+        if values.dtype.kind in "iu":
+            return bool((values == -1).all())
+        if values.dtype.kind == "f":
+            return bool((np.isnan(values) | (values == -1)).all())
+        return values.dtype.kind == "O" and all(map(_no_value, values.tolist()))
+
+    return {name: [str(c) for c in frame.columns if len(frame) and empty(frame[c])]
+            for name, frame in (("kernels.csv", kernels), ("ops.csv", ops))}  # fmt: skip
+
+
+def _no_value(value: object) -> bool:
+    if value is None or (isinstance(value, list | tuple) and not value):
+        return True
+    if isinstance(value, str):
+        return value in NO_VALUE
+    return isinstance(value, int | float) and not isinstance(value, bool) and (value != value or value == -1)
 
 
 def kernel_table(timeline: Timeline) -> pd.DataFrame:
@@ -422,13 +473,20 @@ def summarize(facts: TraceFacts, name: str, timeline: Timeline, kernels: pd.Data
 
     gpu = timeline.device_kind == "cuda"
     has_shapes = any(isinstance(d, list) and len(d) > 0 for d in timeline.ops["input_dims"].tolist())
+    has_modules = bool((timeline.ops["module"].fillna("") != "").any())
     exact = found.execution_trace is not None
     missing = [MISSING_UNPROFILED_GPU if gpu else MISSING_UNPROFILED_CPU, *([] if exact else [MISSING_DATAFLOW]),
                *missing]  # fmt: skip
     if not has_shapes:
         missing.append(MISSING_SHAPES)
+    if not facts.has_stacks:
+        missing.append(MISSING_STACKS)
     if roofs is None:
         missing.append(MISSING_ROOFS_FUSED)
+    unfilled = unfilled_columns(kernels, timeline.ops)
+    if any(unfilled.values()):
+        missing.append(UNFILLED_PREFIX + "; ".join(f"{name} {', '.join(cols)}" for name, cols in unfilled.items()
+                                                   if cols))  # fmt: skip
     ops_per_step = timeline.ops.groupby("phase").size() / timeline.steps.groupby("phase").size()
     phases = analysis.summarize_phases(kernels, timeline.steps, {}, timeline.device_kind,
                                        {str(k): float(v) for k, v in ops_per_step.dropna().items()})  # fmt: skip
@@ -443,6 +501,8 @@ def summarize(facts: TraceFacts, name: str, timeline: Timeline, kernels: pd.Data
             "path": str(facts.path.resolve()),
             "file": TRACE_COPY,
             "execution_trace": str(found.execution_trace.resolve()) if exact else None,
+            "recorded": {"shapes": has_shapes, "stacks": facts.has_stacks, "modules": has_modules},
+            "unfilled": unfilled,
         },
         "roofs": roofs,
         "cost_coverage": analysis.cost_coverage(kernels),
@@ -610,6 +670,7 @@ def analyze_ranks(
     for rt in traces:
         note(f"rank {rt.rank}: costing, classifying and matching the fusion catalogue")
         timeline, missing = fill_steps_and_phases(rt.parsed.timeline, rt.parsed.annotations)
+        missing += unlaunched_missing(rt.parsed)
         kernels = classify(kernel_table(timeline), roofs)
         found = match_catalogue(timeline, kernels, roofs, None, {})
         summaries[rt.rank] = summarize(rt.facts, name, timeline, kernels, roofs, [*missing, *roof_missing], found)
@@ -655,9 +716,10 @@ def read_rank(path: Path) -> RankTrace:
     """A rank's file checked as a single trace is, its rank (`distributedInfo.rank`, 0 without one) and intervals."""
     facts, doc = parse_trace(path)
     info = doc.distributed_info
-    rank = info.get("rank", 0) if isinstance(info, dict) else 0
-    if not isinstance(rank, int) or rank < 0:
-        raise UsageError(f"{path}: distributedInfo.rank is {rank!r}, not a rank number")
+    given = info.get("rank", 0) if isinstance(info, dict) else 0
+    rank = to_int(given, -1) if not isinstance(given, bool) else -1
+    if rank < 0:
+        raise UsageError(f"{path}: distributedInfo.rank is {given!r}, not a rank number")
     parsed = parse_rank(facts, dataclasses.replace(doc, distributed_info={"rank": rank}))
     return RankTrace(rank=rank, facts=facts, intervals=ranks.rank_intervals(rank, doc.events.dicts()), parsed=parsed)
 

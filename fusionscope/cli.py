@@ -17,6 +17,7 @@ from rich.status import Status
 from rich.table import Table
 
 from fusionscope.errors import UsageError
+from fusionscope.kernel_names import short_kernel_name
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -290,7 +291,7 @@ def print_summary(summary: dict) -> None:
         return "—" if value is None else format(value, spec)
 
     def kernel_name(name: object) -> str:
-        text = str(name or "")
+        text = short_kernel_name(name or "")  # the full name is in kernels.csv and summary.json
         return text[:39] + "…" if out.is_terminal and len(text) > 40 else text  # whole in a saved table
 
     def cumulative_line(phase: str, plan: dict, pacer: str | None) -> str:
@@ -508,7 +509,7 @@ def print_diff(result: dict, top: int = 10) -> None:
     for name, ph in phases.items():
         for word, key in (("appeared", "kernels_appeared"), ("vanished", "kernels_vanished")):
             for row in ph[key][:top]:
-                changed.add_row(name, word, row["name"], fmt(row["us_per_step"], ".1f"),
+                changed.add_row(name, word, short_kernel_name(row["name"]), fmt(row["us_per_step"], ".1f"),
                                 fmt(row["calls_per_step"], ".2g"))  # fmt: skip
     if changed.row_count:
         out.print(changed)
@@ -672,7 +673,8 @@ def print_breakdown(name: str, down: dict, top: int = 15) -> None:
         table.add_column(col, justify="left" if col in ("launching op", "kernel", "module", "class") else "right",
                          overflow="ellipsis", max_width=48 if col == "kernel" else None)  # fmt: skip
     for row in down["rows"][:top]:
-        table.add_row(row["op"], row["kernel"], row.get("module") or "", str(row["count"]), fmt(row["us"], ".0f"),
+        table.add_row(row["op"], short_kernel_name(row["kernel"]), row.get("module") or "", str(row["count"]),
+                      fmt(row["us"], ".0f"),
                       fmt(row["share"], ".1%"), fmt(row["achieved_gbps"], ".0f"), fmt(row["frac_bandwidth"], ".0%"),
                       fmt(row["achieved_tflops"], ".1f"), fmt(row["frac_compute"], ".0%"),
                       row.get("bound") or "")  # fmt: skip

@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from fusionscope.trace_fields import to_int
+
 # the fields a merge offsets per rank, each kept as args["<field>_raw"]; restored from there
 RESTORED_FIELDS = ("pid", "id", "correlation", "External id")
 MARKER = b'"rank"'  # a merged file has it on every event; a plain one at most in distributedInfo
@@ -35,14 +37,24 @@ def _read_bytes(path: Path, limit: int = -1) -> bytes:
 
 
 def ranks_of(events: list[Any]) -> set[int]:
-    """The distinct `args.rank` values among the events (integers only)."""
+    """The distinct `args.rank` values among the events (numbers, or numeric strings: `_rank`)."""
     found: set[int] = set()
     for event in events:
         if isinstance(event, dict):
-            rank = (event.get("args") or {}).get("rank") if isinstance(event.get("args"), dict) else None
-            if isinstance(rank, int) and not isinstance(rank, bool):
+            rank = _rank(event)
+            if rank is not None:
                 found.add(rank)
     return found
+
+
+def _rank(event: dict) -> int | None:
+    """The event's `args.rank` (`trace_fields.to_int`: a number or a numeric string), None without one."""
+    args = event.get("args")
+    rank = args.get("rank") if isinstance(args, dict) else None
+    if rank is None or isinstance(rank, bool):
+        return None
+    parsed = to_int(rank, -1)
+    return parsed if parsed >= 0 else None
 
 
 def _restored(event: dict) -> dict:
@@ -90,9 +102,8 @@ def split(path: Path, folder: Path) -> list[Path] | None:
     for event in events:
         if not isinstance(event, dict):
             continue
-        args = event.get("args")
-        rank = args.get("rank") if isinstance(args, dict) else None
-        targets = [rank] if isinstance(rank, int) and rank in per_rank else list(per_rank)
+        rank = _rank(event)
+        targets = [rank] if rank in per_rank else list(per_rank)
         restored = _restored(event)
         for target in targets:
             per_rank[target].append(restored)

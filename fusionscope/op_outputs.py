@@ -76,7 +76,7 @@ def op_outputs(name: str, args: _Args, strided: tuple[int, ...] | None = None) -
     `as_strided` the op ran in the trace (what a view op returns); `args` the op's recorded arguments."""
     try:
         return _outputs(short_name(name), args, strided)
-    except (ValueError, TypeError, IndexError, ZeroDivisionError, ArithmeticError):
+    except (ValueError, TypeError, LookupError, ArithmeticError):  # arguments the op's rules cannot read
         return None
     except Exception as exc:  # roofline's _Malformed: arguments that do not fit the schema
         if type(exc).__name__ == "_Malformed":
@@ -175,7 +175,9 @@ def _arange(args: _Args) -> Sig:
     out = args.tensor(n - 1) if n else None
     if out is not None:
         return out.shape, out.dtype
-    count = {5: 1, 6: 2, 7: 3}[n]
+    count = {5: 1, 6: 2, 7: 3}.get(n)
+    if count is None:  # no recorded arguments (`record_shapes=False`), or an arity no overload has
+        raise ValueError(f"arange with {n} arguments")
     nums = [args.value(i) for i in range(count)]
     vals = [float(v) for v in nums]
     start, end, step = (0.0, vals[0], 1.0) if count == 1 else (vals[0], vals[1], vals[2] if count == 3 else 1.0)

@@ -441,10 +441,12 @@ class _Arguments:
         if known is None:
             text = (name, repr(dims), repr(types), repr(concrete), strided)
             known = self.by_text.get(text)
-            if known is None:  # without recorded shapes: no arguments
+            if known is None:
                 tensors, _where, others = tensor_inputs(dims, types, elementwise)
                 listed = [v if isinstance(v, list | tuple) else [] for v in (dims, types, concrete)]
-                made = op_outputs(name, Arguments(listed[0], listed[1], listed[2], "float32"), strided) or []
+                made = []  # without recorded shapes (`record_shapes=False`): no arguments, no outputs to derive
+                if isinstance(dims, list | tuple):
+                    made = op_outputs(name, Arguments(listed[0], listed[1], listed[2], "float32"), strided) or []
                 known = self.by_text[text] = (tensors, others, made)
             self.by_identity[identity] = known
         return known

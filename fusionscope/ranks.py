@@ -10,12 +10,14 @@ most time *outside* communication. That is the straggler here, and its excess is
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from statistics import median
 
 from fusionscope.capture import STEP_PREFIX
+from fusionscope.trace_fields import to_float
 
 NCCL_KERNEL_PREFIXES = ("ncclKernel", "ncclDevKernel")
 CPU_COLLECTIVE_PREFIXES = ("c10d::", "gloo:", "nccl:", "record_param_comms")
@@ -53,7 +55,10 @@ def rank_intervals(rank: int, events: Iterable[dict]) -> RankIntervals:
     comm: list[Interval] = []
     for e in timed:
         name, cat = str(e.get("name", "")), e.get("cat")
-        span = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+        start, length = to_float(e["ts"]), to_float(e["dur"])
+        if not (math.isfinite(start) and math.isfinite(length)):
+            continue
+        span = (start, start + length)
         if cat == "user_annotation" and name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX) :].isdigit():
             steps[int(name[len(STEP_PREFIX) :])] = span
         elif (cat == "kernel") if gpu else (cat in CPU_EVENT_CATS):

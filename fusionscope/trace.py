@@ -20,6 +20,7 @@ import pandas as pd
 
 from fusionscope.capture import MODULE_PREFIX, PHASE_PREFIX, STEP_PREFIX
 from fusionscope.errors import UsageError
+from fusionscope.trace_fields import to_int
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 CPU_CATS = ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver")
@@ -217,7 +218,7 @@ def _sweep(cpu: pd.DataFrame) -> dict[str, np.ndarray]:
         if cat == "user_annotation":
             name = names[i]
             if name.startswith(STEP_PREFIX):
-                s = int(name[len(STEP_PREFIX) :])
+                s = to_int(name[len(STEP_PREFIX) :], -1)
                 step[i] = s
                 step_row[(current_tid, s)] = i
             elif name.startswith(PHASE_PREFIX):
@@ -246,6 +247,8 @@ def _join_kernels(rank: int, gpu: pd.DataFrame, ops: pd.DataFrame, cpu: pd.DataF
     # Fallback through the launching runtime call (HTA turns `correlation` into the row index of its partner).
     runtime = cpu.set_index("index")
     launch = gpu["index_correlation"] if "index_correlation" in gpu else pd.Series(-1, index=gpu.index)
+    if "correlation" in gpu and "correlation" in runtime:  # HTA's 0 for "no launch in the trace" is also an index
+        launch = launch.where(launch.map(runtime["correlation"]) == gpu["correlation"], -1)
     via_launch_op = launch.map(runtime["parent_op"])
     op_id = op_id.fillna(via_launch_op.where(via_launch_op >= 0)).fillna(-1).astype(np.int64)
     op_rows = ops.set_index("op_id")

@@ -11,9 +11,12 @@ bad input, whose error `json` names), it falls back to the standard library's `j
 
 From the columns it builds the frame HTA's parser builds — one row per complete event (`dur` and `cat` present,
 `Trace` dropped), `index` its position in `traceEvents`, timestamps from the earliest event, `index_correlation`
-linking each launch to its kernel, and, with two or more `ProfilerStep` ranges, HTA's filter (GPU events whose
-launch is in the trace) — and hands it to the same join `trace.load_timeline` uses (`trace._join_rank`), so both
-give the same tables (tests/test_analyze_events.py checks it on every fixture). It also returns the
+linking each launch to its kernel — and hands it to the same join `trace.load_timeline` uses (`trace._join_rank`),
+so both give the same tables (tests/test_analyze_events.py checks it on every fixture) but for one difference: with
+two or more `ProfilerStep` ranges HTA's parser drops the GPU events whose launch is not in the trace (launched
+before the profiler started), and here they stay (joined to an op by `External id` where the trace holds it, else to
+none), so that every GPU event is in the kernels table exactly once. Every number is read by `trace_fields` (hex
+strings, numbers as strings, missing values; a time no number reads drops the event). It also returns the
 `user_annotation` ranges the join does not keep (`Optimizer.step#…`), for telling a training step's phases apart.
 """
 
@@ -30,6 +33,7 @@ import numpy as np
 import pandas as pd
 
 from fusionscope import trace
+from fusionscope.trace_fields import INT64_MIN, float_array, int_array
 
 try:  # optional: a typed decoder about 5x faster than `json` on traces; everything works without it
     import msgspec
@@ -188,6 +192,17 @@ def _interned(values: np.ndarray) -> np.ndarray:
     return np.asarray(uniques, dtype=object)[codes]
 
 
+def _tids(values: np.ndarray) -> np.ndarray:
+    """Thread ids as ints (`trace_fields.to_int`: hex strings too); a tid no integer reads (a name, or none) gets
+    one id of its own per distinct value, below -1, so that events of one such thread stay one thread."""
+    tids = int_array(values, INT64_MIN)
+    unread = tids == INT64_MIN
+    if unread.any():
+        codes, _uniques = pd.factorize(_objects([repr(v) for v in values[unread].tolist()]))
+        tids[unread] = -2 - codes
+    return tids
+
+
 def events_frame(events: EventColumns | list) -> pd.DataFrame:
     """HTA's event frame of a trace's `traceEvents` (names and categories as strings, not symbol ids): one row per
     event with `dur` and a category other than `Trace`. `events`: columns, or the decoded JSON list."""
@@ -197,12 +212,16 @@ def events_frame(events: EventColumns | list) -> pd.DataFrame:
     timed &= np.fromiter(map(is_not, cols.cat, repeat(None)), dtype=bool, count=n)
     timed &= np.fromiter(map(ne, cols.cat, repeat("Trace")), dtype=bool, count=n)
     keep = np.flatnonzero(timed)
+    ts, dur = float_array(_pick(cols.ts, keep)), float_array(_pick(cols.dur, keep))
+    complete = np.isfinite(ts) & np.isfinite(dur)  # a time that is no number: not a complete event
+    if not complete.all():
+        keep, ts, dur = keep[complete], ts[complete], dur[complete]
     name, cat = _interned(_pick(cols.name, keep)), _interned(_pick(cols.cat, keep))
-    frame = pd.DataFrame({"index": keep, "name": name, "cat": cat, "tid": _pick(cols.tid, keep)}).infer_objects()
-    frame["ts"] = _pick(cols.ts, keep).astype(float)
-    frame["dur"] = _pick(cols.dur, keep).astype(float)
+    frame = pd.DataFrame({"index": keep, "name": name, "cat": cat, "tid": _tids(_pick(cols.tid, keep))})
+    frame["ts"] = ts
+    frame["dur"] = dur
     for column, values in cols.arg_columns([c for c, _k, _d in ARGS], keep).items():
-        frame[column] = values.astype(np.int64) if column in INT_ARGS else values
+        frame[column] = int_array(values, ARG_KEYS[column][1]) if column in INT_ARGS else values
     if len(frame):
         frame["ts"] -= frame["ts"].min()
     return frame
@@ -216,6 +235,7 @@ class Parsed:
     timeline: trace.Timeline
     annotations: pd.DataFrame
     record_frame: pd.DataFrame  # index (op_id), record_id of every cpu_op
+    unlaunched: int = 0  # GPU events whose launch is not in the trace (`_unlaunched`)
 
     @property
     def record_ids(self) -> dict[int, int]:
@@ -224,20 +244,22 @@ class Parsed:
 
 
 def _on_gpu(frame: pd.DataFrame) -> pd.Series:
-    return ((frame["stream"] >= 0) & (frame["correlation"] >= 0)) | frame["name"].isin(SYNC_EVENTS)
+    """GPU events: kernels, copies and memsets, HTA's rule (an event on a stream with a correlation id) for other
+    categories, and synchronisations. A runtime call is never one, though ROCm's launches name their stream."""
+    cats = frame["cat"]
+    on_stream = (frame["stream"] >= 0) & (frame["correlation"] >= 0) & ~cats.isin(trace.CPU_CATS)
+    return cats.isin(trace.GPU_CATS) | on_stream | frame["name"].isin(SYNC_EVENTS)
 
 
-def _keep_traced_steps(frame: pd.DataFrame) -> pd.DataFrame:
-    """HTA's filter with two or more ProfilerStep ranges (`include_last_profiler_step=True`): GPU events whose
-    launch is a CPU event of the trace, CPU events first after them. (HTA also bounds the CPU events by the last
-    step's end, but compares shifted start times with an unshifted end, so that bound keeps every CPU event.)"""
+def _unlaunched(frame: pd.DataFrame) -> int:
+    """GPU events (kernels, copies, memsets) whose launch is not in the trace: launched before the profiler
+    started, or by a call it did not record. HTA's parser drops them when the trace has two or more ProfilerStep
+    ranges; here they stay in the kernels table (joined to an op by `External id` only), so every GPU event is in
+    it once."""
     gpu = _on_gpu(frame).to_numpy()
-    names = pd.Series(pd.unique(frame["name"].to_numpy()[~gpu]), dtype=object)
-    if names.str.contains("ProfilerStep", na=False, regex=False).sum() < 2:
-        return frame
     correlation = frame["correlation"].to_numpy()
-    launched = gpu & np.isin(correlation, np.unique(correlation[~gpu]))
-    return pd.concat([frame[launched], frame[~gpu]], axis=0)
+    launched = np.isin(correlation, np.unique(correlation[~gpu & (correlation >= 0)]))
+    return int((frame["cat"].isin(trace.GPU_CATS).to_numpy() & ~launched).sum())
 
 
 def _index_correlation(frame: pd.DataFrame) -> None:
@@ -266,7 +288,7 @@ def _symbols(frame: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
 def parse_events(events: EventColumns | list, rank: int = 0) -> Parsed:
     """The Timeline of one rank's `traceEvents` (columns, or the decoded JSON list; as `trace.load_timeline` builds
     it from the file), its annotation ranges and its ops' record function ids."""
-    frame = _keep_traced_steps(events_frame(events))
+    frame = events_frame(events)
     _index_correlation(frame)
     coded, symbols = _symbols(frame)
     ops, kernels, steps = trace._join_rank(rank, coded, symbols)
@@ -275,4 +297,4 @@ def parse_events(events: EventColumns | list, rank: int = 0) -> Parsed:
     annotations = annotations.rename(columns={"ts": "ts_us", "dur": "dur_us"}).reset_index(drop=True)
     records = frame.loc[cats == "cpu_op", ["index", "record_id"]].reset_index(drop=True)
     timeline = trace.Timeline(device_kind="cuda" if len(kernels) else "cpu", ops=ops, kernels=kernels, steps=steps)
-    return Parsed(timeline=timeline, annotations=annotations, record_frame=records)
+    return Parsed(timeline=timeline, annotations=annotations, record_frame=records, unlaunched=_unlaunched(frame))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import fusionscope.kernels as kernels
@@ -23,6 +24,10 @@ from fusionscope.apply import numerics
 from fusionscope.apply.patching import Patcher, find_sites, patch
 from fusionscope.apply.sampler import Sampler
 from fusionscope.fusions import linear_act
+
+# these tests are of the layout patchers; the captured-graph path is tested in tests/test_rewrite.py
+patch = partial(patch, rewrite=False)
+
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 LAYERS = 2

@@ -11,7 +11,7 @@ import inspect
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
-from functools import cache
+from functools import cache, partial
 
 import pytest
 import torch
@@ -29,6 +29,10 @@ from transformers.models.llama.modeling_llama import (
 
 from fusionscope.apply.attention import read_attention
 from fusionscope.apply.patching import find_sites, patch
+
+# these tests are of the layout patchers; the captured-graph path is tested in tests/test_rewrite.py
+patch = partial(patch, rewrite=False)
+
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 MINE = ("silu_and_mul", "gelu_and_mul", "qkv", "gate_up", "rope", "flash_attention")

@@ -4,6 +4,8 @@ and leaving the patch puts the model back exactly. Sites that cannot be patched 
 
 from __future__ import annotations
 
+from functools import partial
+
 import fusionscope.kernels
 import pytest
 import torch
@@ -14,6 +16,10 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
 
 from fusionscope.apply.patching import find_sites, patch
+
+# these tests are of the layout patchers; the captured-graph path is tested in tests/test_rewrite.py
+patch = partial(patch, rewrite=False)
+
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Gemma's default head_dim is 256; Phi-3's default pad id is outside a 128-token vocabulary

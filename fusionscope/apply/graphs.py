@@ -42,6 +42,7 @@ WARMUP_CALLS = 2  # eager calls on a side stream before a capture (cuBLAS handle
 GRAPH = "graph"
 FUSED_GRAPH = "fused + graph"
 COMPILE = "torch.compile"
+FUSED_COMPILE = "fused + compile"
 LIGER = "liger"
 BROKEN_DOWN = (GRAPH, FUSED_GRAPH)  # the variants whose replay gets a per-kernel breakdown against the roofs
 
@@ -290,11 +291,14 @@ def _profiled(name: str, decoder: StaticDecoder) -> dict[str, Any]:
 def run_graphs(workload: Any, fusions_by_variant: dict[str, list[str]], enter: Callable[[list[str]], Any],
                ref: numerics.Reference, ref32: numerics.Reference, eager_vs_fp32: dict,
                real_weights: bool, repeats: int, roofs: dict | None, eager_ms: float | None,
-               note: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
+               note: Callable[[str], None],
+               fused_sites: dict[str, list[str]] | None = None) -> dict[str, Any]:  # fmt: skip
     """Every graph variant (`fusions_by_variant`: name → fusions; `[]` is the graph alone) and peer, checked
     teacher-forced against the eager model with the same patches (`ref`: the unpatched one's reference), profiled
     over one replay (`profile_variant`), then timed in interleaved rounds (each round builds and captures each
     variant afresh: a patch's fused weights exist only while it is entered, and a graph holds their addresses).
+    `fused_sites` ({fusion: paths} of the fusions patched on the captured graph): the peer "fused + compile", those
+    fusions rewritten into the graph Inductor compiles (`fusionscope.apply.rewrite.compile_fused`).
     Returns `summary["apply"]["graphs"]`."""
     copy_gbps = (roofs or {}).get("copy_gbps")
     from fusionscope.apply.run import json_safe
@@ -325,6 +329,25 @@ def run_graphs(workload: Any, fusions_by_variant: dict[str, list[str]], enter: C
             compile_failed = (
                 f"torch.compile failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             )
+    fused_compile_failed = ""
+    fused_compile_fusions: list[str] = []
+    if gpu and fused_sites:
+        from fusionscope.apply import rewrite
+
+        note("fused + compile: the fusions rewritten into the graph torch.compile (reduce-overhead) compiles")
+        try:
+            forward, rewriter = rewrite.compile_fused(model, fused_sites)
+            fused_peer = StaticDecoder(model, ids, steps, forward=forward)
+            t0 = time.perf_counter()
+            fused_peer.prefill()
+            for _ in range(3):  # compile, record, replay
+                fused_peer.step()
+            torch.cuda.synchronize()
+            fused_compile_seconds = time.perf_counter() - t0
+            fused_compile_fusions = sorted(f for f, paths in rewriter.results.items() if "" in paths.values())
+            makers[FUSED_COMPILE] = (nullcontext, lambda: fused_peer, False)
+        except Exception as exc:  # reported, not fatal
+            fused_compile_failed = f"fused + compile failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"
     with liger_copy(model) if gpu else nullcontext((None, "not run on a CPU")) as (liger_model, liger_note):
         if liger_model is not None:
             makers[LIGER] = (nullcontext, lambda: StaticDecoder(liger_model, ids, steps), True)
@@ -338,6 +361,9 @@ def run_graphs(workload: Any, fusions_by_variant: dict[str, list[str]], enter: C
                     eager_ref = numerics.reference(model, ids, steps) if fusions else ref
                     test, own_tokens = teacher_forced(decoder, eager_ref)
                     row["first_call_s"] = compile_seconds + seconds if name == COMPILE else seconds
+                    if name == FUSED_COMPILE:
+                        row["first_call_s"] = fused_compile_seconds + seconds
+                        row["fusions"] = fused_compile_fusions
                     fig = numerics.compare(test, last_position(eager_ref))
                     fig32 = numerics.compare(test, last_position(ref32))
                     ok, why = numerics.judge(fig, fig32, eager_vs_fp32, dtype, real_weights)
@@ -368,6 +394,9 @@ def run_graphs(workload: Any, fusions_by_variant: dict[str, list[str]], enter: C
                         variants[name]["peak_mib"] = max(variants[name].get("peak_mib") or 0.0, peak)
     if compile_failed:
         variants[COMPILE] = {"fusions": [], "passed": False, "reason": compile_failed, "ms_per_token_rounds": []}
+    if fused_compile_failed:
+        variants[FUSED_COMPILE] = {"fusions": [], "passed": False, "reason": fused_compile_failed,
+                                   "ms_per_token_rounds": []}  # fmt: skip
     if LIGER not in variants:
         variants[LIGER] = {"fusions": [], "passed": False, "reason": liger_note, "ms_per_token_rounds": []}
     floor = weight_floor(model, ids.shape[0], ids.shape[1] + steps / 2, copy_gbps or 0.0)
@@ -383,6 +412,7 @@ def run_graphs(workload: Any, fusions_by_variant: dict[str, list[str]], enter: C
         row["speedup_vs_eager"] = eager_ms / ms if ms and eager_ms else None
     graph_ms, fused_ms = variants.get(GRAPH, {}).get("ms_per_token"), variants.get(FUSED_GRAPH, {}).get("ms_per_token")
     compile_ms = variants.get(COMPILE, {}).get("ms_per_token")
+    fused_compile_ms = variants.get(FUSED_COMPILE, {}).get("ms_per_token")
     return {
         "variants": variants,
         "floor": floor,
@@ -391,6 +421,7 @@ def run_graphs(workload: Any, fusions_by_variant: dict[str, list[str]], enter: C
         "liger": {"version": liger_available(), "note": liger_note},
         "fused_vs_graph": graph_ms / fused_ms if graph_ms and fused_ms else None,
         "fused_vs_compile": compile_ms / fused_ms if compile_ms and fused_ms else None,
+        "fused_compile_vs_compile": compile_ms / fused_compile_ms if compile_ms and fused_compile_ms else None,
         "timing_note": ""
         if gpu
         else "not measured: CUDA graphs need a GPU; on a CPU the static-cache step ran eagerly",

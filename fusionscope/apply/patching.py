@@ -82,6 +82,7 @@ class Patcher:
             raise RuntimeError(f"{owner} and {self._forwards[id(module)]} both rewrite {type(module).__name__}.forward")
         self._forwards[id(module)] = owner
         self.set_attr(module, "forward", types.MethodType(forward, module))
+        self._undo.append(lambda: self._forwards.pop(id(module), None))
 
     def forward_owner(self, module: nn.Module) -> str | None:
         return self._forwards.get(id(module))
@@ -89,9 +90,16 @@ class Patcher:
     def on_restore(self, undo: Callable[[], None]) -> None:
         self._undo.append(undo)
 
-    def restore(self) -> None:
-        while self._undo:
+    def checkpoint(self) -> int:
+        """A mark of the undo log: `rollback(mark)` undoes every change made after it."""
+        return len(self._undo)
+
+    def rollback(self, mark: int) -> None:
+        while len(self._undo) > mark:
             self._undo.pop()()
+
+    def restore(self) -> None:
+        self.rollback(0)
         self._forwards.clear()
         self.state.clear()
 
@@ -103,6 +111,8 @@ class PatchResult:
     applied: dict[str, list[str]] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)  # fusion -> reason (a site's path is named in it)
     skipped_paths: dict[str, dict[str, str]] = field(default_factory=dict)  # fusion -> {path: reason}
+    rewritten: list[str] = field(default_factory=list)  # fusions patched on the captured graph (from the dataflow)
+    capture: str = ""  # why the captured-graph patch fell back to the layout patchers ('' when it did not)
 
     def note(self, fusion: str, path: str, support: Support) -> None:
         if support.ok:
@@ -149,14 +159,25 @@ def check_fusion_names(names: Iterable[str]) -> None:
 
 
 @contextmanager
-def patch(model: nn.Module, where: Iterable[Any], only: Iterable[str] | None = None,
-          sampler: Any = None) -> Iterator[PatchResult]:  # fmt: skip
-    """Patch `model` at the sites in `where` (see the module docstring) for the fusions in `only` (default: every
-    fusion found); yield a `PatchResult`; restore the model on exit, also when the block raises.
+def patch(model: nn.Module, where: Iterable[Any] | None = None, only: Iterable[str] | None = None,
+          sampler: Any = None, example: Callable[[nn.Module], Any] | None = None,
+          rewrite: bool = True) -> Iterator[PatchResult]:  # fmt: skip
+    """Patch `model` at the sites in `where` (see the module docstring; None: every fusion the finder finds in it) for
+    the fusions in `only` (default: every fusion found); yield a `PatchResult`; restore the model on exit, also when
+    the block raises.
+
+    Fusions whose module can `bind` a match are patched on the captured graph of the module holding their sites
+    (`fusionscope.apply.rewrite`), following the finder's matches on that graph; `example(model)` runs the model once
+    so that the graph is captured and rewritten before this returns (default: a causal LM's 4-token prompt and one
+    decode step). A model whose forward cannot be captured whole falls back to the layout patchers, and
+    `result.capture` says why. `rewrite=False` uses the layout patchers only. The other fusions (weight
+    concatenation, the attention and sampling swaps) keep their layout patchers.
 
     `sampler`: the workload's token picker (`fusionscope.apply.sampler`), which the sampling fusion swaps."""
-    where = list(where)
-    if where and all(isinstance(w, str) for w in where):
+    where = list(where) if where is not None else None
+    if where is None:
+        sites = find_sites(model)
+    elif where and all(isinstance(w, str) for w in where):
         check_fusion_names(where)
         sites = {k: v for k, v in find_sites(model).items() if k in where}
         for name in where:
@@ -172,6 +193,7 @@ def patch(model: nn.Module, where: Iterable[Any], only: Iterable[str] | None = N
     patcher.state["sampler"] = sampler
     result = PatchResult()
     try:
+        on_graph: dict[str, list[str]] = {}
         for fusion in modules:  # catalogue order: patches that compose (a layer rewrite, then its parts) are stable
             if fusion not in sites or (wanted is not None and fusion not in wanted):
                 continue
@@ -182,19 +204,80 @@ def patch(model: nn.Module, where: Iterable[Any], only: Iterable[str] | None = N
             elif getattr(module, "KERNEL", None) is None and not hasattr(module, "patch"):
                 for path in paths:
                     result.note(fusion, path, Support.no(getattr(module, "NO_PATCH", "no bundled kernel yet")))
-            elif not hasattr(module, "patch"):
-                for path in paths:
-                    result.note(fusion, path, Support.no("this fusion has no patcher yet"))
             elif no_kernels and getattr(module, "KERNEL", None) is not None:
                 for path in paths:
                     result.note(fusion, path, Support.no(no_kernels))
+            elif rewrite and hasattr(module, "bind"):
+                on_graph[fusion] = list(paths)
+            elif not hasattr(module, "patch"):
+                for path in paths:
+                    result.note(fusion, path, Support.no("this fusion has no patcher yet"))
             else:
-                for path, support in module.patch(patcher, list(paths)).items():
-                    result.note(fusion, path, support)
+                _layout_patch(patcher, result, module, fusion, paths)
+        if on_graph:
+            _graph_patch(patcher, result, on_graph, modules, example)
         result.finish()
         yield result
     finally:
         patcher.restore()
+
+
+def _layout_patch(patcher: Patcher, result: PatchResult, module: types.ModuleType, fusion: str,
+                  paths: list[str]) -> None:  # fmt: skip
+    if not hasattr(module, "patch"):
+        for path in paths:
+            result.note(fusion, path, Support.no("this fusion has no layout patcher"))
+        return
+    for path, support in module.patch(patcher, list(paths)).items():
+        result.note(fusion, path, support)
+
+
+def _graph_patch(patcher: Patcher, result: PatchResult, on_graph: dict[str, list[str]],
+                 modules: dict[str, types.ModuleType], example: Callable[[nn.Module], Any] | None) -> None:  # fmt: skip
+    """Patch `on_graph` ({fusion: paths}) on the captured graph; on a capture that fails, undo it and fall back to
+    each fusion's layout patcher, saying why in `result.capture`."""
+    from fusionscope.apply import rewrite
+
+    mark = patcher.checkpoint()
+    try:
+        outcome = rewrite.install(patcher, on_graph, example or default_example)
+    except rewrite.CaptureFailed as why:
+        patcher.rollback(mark)
+        result.capture = str(why)
+        for fusion, paths in on_graph.items():
+            _layout_patch(patcher, result, modules[fusion], fusion, paths)
+        return
+    for fusion, paths in on_graph.items():
+        seen = outcome.get(fusion, {})
+        for path in paths:
+            why = seen.get(path)
+            if why is None:
+                why = "the captured graph holds no such group at this site"
+            result.note(fusion, path, Support.yes() if why == "" else Support.no(why))
+        if fusion in result.applied:
+            result.rewritten.append(fusion)
+
+
+def default_example(model: nn.Module) -> None:
+    """A causal LM's 4-token prompt and one decode step, as `find_sites` runs them: the graphs every generation
+    starts with (prefill, then the first decode step), captured and rewritten when the patch is made."""
+    from fusionscope import capture
+
+    capture.run_sequence(_short_workload(model, 4), lambda _phase, fn: fn())
+
+
+def _short_workload(model: nn.Module, prompt_len: int) -> Any:
+    from fusionscope.models import ModelSpec, Workload
+
+    param = next(model.parameters())
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "vocab_size"):
+        raise UsageError("patching by fusion name needs a causal LM with a config; pass the matches of a run and "
+                         "an example call instead")  # fmt: skip
+    ids = torch.randint(0, config.vocab_size, (1, prompt_len), device=param.device)
+    return Workload(spec=ModelSpec(name="patch", source="module"), module=model, device=param.device,
+                    dtype=param.dtype, phases=("prefill", "decode"), prompt_len=prompt_len, decode_steps=1,
+                    inputs=(ids,))  # fmt: skip
 
 
 def kernels_unavailable(model: nn.Module) -> str:
@@ -210,19 +293,11 @@ def kernels_unavailable(model: nn.Module) -> str:
 
 def find_sites(model: nn.Module, prompt_len: int = 4) -> dict[str, list[str]]:
     """{fusion: module paths} found by the catalogue on a short dataflow pass of `model` (a causal LM: a prompt of
-    `prompt_len` random ids and one decode step). Used when `patch` is given fusion names instead of matches."""
+    `prompt_len` random ids and one decode step). Used when `patch` is given fusion names, or nothing, instead of
+    matches."""
     from fusionscope import dataflow
     from fusionscope.fusions import Graph, find_matches
-    from fusionscope.models import ModelSpec, Workload
 
-    param = next(model.parameters())
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "vocab_size"):
-        raise UsageError("patch by fusion name needs a causal LM with a config; pass the matches of a run instead")
-    ids = torch.randint(0, config.vocab_size, (1, prompt_len), device=param.device)
-    workload = Workload(spec=ModelSpec(name="patch", source="module"), module=model, device=param.device,
-                        dtype=param.dtype, phases=("prefill", "decode"), prompt_len=prompt_len, decode_steps=1,
-                        inputs=(ids,))  # fmt: skip
-    nodes = dataflow.record_dataflow(workload)
+    nodes = dataflow.record_dataflow(_short_workload(model, prompt_len))
     nodes = nodes.assign(op_id=-1)
     return sites_by_fusion(m for m in find_matches(Graph(nodes)) if not m.rejected)

@@ -370,9 +370,18 @@ def run_apply(
     gpu = workload.device.type == "cuda"
     real_weights = workload.spec.weights is not None  # random weights: near-flat distributions, top-1 not judged
 
+    def example(_model: Any) -> None:
+        """The workload's own first steps (its prompt, its cache, one decode step): the graphs the timed and checked
+        runs take are the ones a patch captures and rewrites when it is made."""
+        from dataclasses import replace
+
+        from fusionscope import capture
+
+        capture.run_sequence(replace(workload, decode_steps=min(workload.decode_steps, 1)), lambda _p, fn: fn())
+
     def enter(fusions: list[str]) -> Any:
         where = [{"fusion": f, "module_paths": sites[f]} for f in fusions]
-        return patch(model, where, sampler=sampler) if fusions else nullcontext(None)
+        return patch(model, where, sampler=sampler, example=example) if fusions else nullcontext(None)
 
     note("numerics: the unpatched model, and an fp32 copy of it")
     ref = reference(model)
@@ -412,8 +421,13 @@ def run_apply(
         with enter([fusion]) as result:
             applied = result.applied.get(fusion, [])
             skipped = result.skipped.get(fusion, "")
+            patched_by = "graph" if fusion in result.rewritten else "layout" if applied else ""
+            fallback = result.capture
         row = {"fusion": fusion, "sites_found": len(sites[fusion]), "sites_patched": len(applied),
-               "applied": applied, "skipped": skipped}  # fmt: skip
+               "applied": applied, "skipped": skipped, "patched_by": patched_by}  # fmt: skip
+        if fallback:
+            row["capture_fallback"] = fallback
+            note(f"{fusion}: {fallback}; the layout patchers were used")
         fusion_rows[fusion] = row
         if not applied:
             row.update(status="skipped", reason=skipped or "nothing patched")
@@ -492,6 +506,7 @@ def graph_variants(workload: Any, summary: dict, passing: list[str], enter: Call
     takes no part. `kernels_csv` (the profile's kernel table) is what the graph alone's replayed step is compared
     with (`step_drift`): the predictions' baseline."""
     from fusionscope.apply import graphs, step_drift
+    from fusionscope.apply.patching import fusion_modules
 
     together = [f for f in passing if f != "sampling"]
     eager_ms = None
@@ -500,8 +515,10 @@ def graph_variants(workload: Any, summary: dict, passing: list[str], enter: Call
     variants = {graphs.GRAPH: [], **{f"{f} + graph": [f] for f in together if each}}
     if together:
         variants[graphs.FUSED_GRAPH] = together
+    rewritable = [f for f in together if hasattr(fusion_modules().get(f), "bind")]
+    fused_sites = sites_to_patch(summary.get("opportunities", []), rewritable)[0] if rewritable else None
     out = graphs.run_graphs(workload, variants, enter, ref, ref32, eager_raw, real_weights, repeats,
-                            summary.get("roofs"), eager_ms, note)  # fmt: skip
+                            summary.get("roofs"), eager_ms, note, fused_sites)  # fmt: skip
     if not each and together:  # say which variants were not measured
         left = f"not measured (--graphs-together): {', '.join(f'{f} + graph' for f in together)}"
         out["timing_note"] = "; ".join(filter(None, [out.get("timing_note"), left]))

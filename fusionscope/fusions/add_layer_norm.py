@@ -21,11 +21,11 @@ at the statement that differs. In training mode every rewritten module runs its 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fusionscope.apply.patching import Support
 from fusionscope.apply.source import difference, forward_replaced, read_source, template, unless_training
-from fusionscope.fusions.base import Graph, Match, row_micro_case
+from fusionscope.fusions.base import Binding, Graph, In, Match, row_micro_case, scalar_values
 from fusionscope.fusions.rms_norm import is_residual_add
 
 if TYPE_CHECKING:
@@ -56,6 +56,32 @@ def find(graph: Graph) -> list[Match]:
         matches.append(Match(KEY, phase, step, tuple(sorted(group)), graph.module[norm],
                              escaping=graph.escaping(group, {residual, norm})))  # fmt: skip
     return matches
+
+
+def bind(graph: Graph, match: Match) -> Binding | str:
+    """One `add_layer_norm(a, b, weight, bias, ε)` in place of the residual add (and its clone) and the LayerNorm:
+    its results replace the norm's output and the new residual."""
+    norm = next((n for n in match.nodes if graph.name.get(n) in LAYER_NORMS), -1)
+    residual = graph.producer(norm)
+    add = graph.producer(residual) if graph.name.get(residual) == "aten::clone" else residual
+    shapes = graph.column("input_shapes", ()).get(add) or ()
+    dtypes = graph.column("input_dtypes", ()).get(add) or ()
+    if len(shapes) != 2 or shapes[0] != shapes[1] or len(set(dtypes)) != 1:
+        return "the residual add broadcasts or mixes dtypes; the kernel adds two tensors of one shape and dtype"
+    norm_shapes = graph.column("input_shapes", ()).get(norm) or ()
+    if len(norm_shapes) != 3:
+        return "the LayerNorm has no weight and bias the kernel can take"
+    eps = scalar_values(graph, norm)
+    if not eps:
+        return "ε is not a constant of the LayerNorm"
+    args = (In(add, 0), In(add, 1), In(norm, 1), In(norm, 2), eps[-1])
+    return Binding(fused_add_layer_norm, args, (norm, residual), match.nodes)
+
+
+def fused_add_layer_norm(a: Any, b: Any, weight: Any, bias: Any, eps: float) -> tuple[Any, Any]:
+    from fusionscope.kernels import add_layer_norm
+
+    return add_layer_norm(a, b, weight, bias, eps)
 
 
 def micro_case(graph: Graph, match: Match) -> Case | None:

@@ -26,8 +26,8 @@ from fusionscope.apply.layers import (
 )
 from fusionscope.apply.patching import Support
 from fusionscope.apply.source import forward_replaced
-from fusionscope.fusions.base import Graph, Match, row_micro_case
-from fusionscope.fusions.rms_norm import is_residual_add, norm_chain
+from fusionscope.fusions.base import Binding, Graph, In, Match, row_micro_case
+from fusionscope.fusions.rms_norm import is_residual_add, norm_chain, norm_operands
 
 if TYPE_CHECKING:
     from fusionscope.apply.patching import Patcher
@@ -51,6 +51,30 @@ def find(graph: Graph) -> list[Match]:
         matches.append(Match(KEY, phase, step, tuple(sorted(group)), graph.module[rsqrt],
                              escaping=graph.escaping(group, {out, add})))  # fmt: skip
     return matches
+
+
+def bind(graph: Graph, match: Match) -> Binding | str:
+    """One `add_rms_norm(a, b, weight, ε, offset)` in place of the add and the chain: its two results replace the
+    chain's output and the add's (the new residual, which the next residual add reads)."""
+    found = norm_operands(graph, match)
+    if isinstance(found, str):
+        return found
+    rsqrt, (_x, weight, eps, offset, dtype), out = found
+    add = norm_chain(graph, rsqrt)[1]
+    shapes = graph.column("input_shapes", ()).get(add) or ()
+    dtypes = graph.column("input_dtypes", ()).get(add) or ()
+    if len(shapes) != 2 or shapes[0] != shapes[1] or len(set(dtypes)) != 1:
+        return "the residual add broadcasts or mixes dtypes; the kernel adds two tensors of one shape and dtype"
+    return Binding(fused_add_rms_norm, (In(add, 0), In(add, 1), weight, eps, offset, dtype), (out, add), match.nodes)
+
+
+def fused_add_rms_norm(a: Any, b: Any, weight: Any, eps: float, offset: float, dtype: str) -> tuple[Any, Any]:
+    import torch
+
+    from fusionscope.kernels import add_rms_norm
+
+    out, residual = add_rms_norm(a, b, weight, eps, offset)
+    return (out if str(out.dtype).removeprefix("torch.") == dtype else out.to(getattr(torch, dtype))), residual
 
 
 def micro_case(graph: Graph, match: Match) -> Case | None:

@@ -105,3 +105,59 @@ class Graph:
             ins = self.inputs.get(node, ())
             node = ins[0] if ins else -1
         return node
+
+
+# ------------------------------------------------------------------------------------------------------------ binding
+
+
+@dataclass(frozen=True)
+class In:
+    """Tensor input `index` (in the order the recorder lists an op's tensors) of the group's node `node`."""
+
+    node: int
+    index: int
+    through_views: bool = False  # a view made inside the group's own calls (`linear`'s `t`) is looked through
+
+
+@dataclass(frozen=True)
+class Out:
+    """The output of the group's node `node`."""
+
+    node: int
+
+
+@dataclass(frozen=True)
+class Binding:
+    """How one match becomes one kernel call on a captured graph (`fusionscope.apply.rewrite`): `call(*args)` — args
+    are `In` references or constants — replaces the ops `nodes`, and its results (one, or a tuple in this order)
+    replace the outputs of `outputs`."""
+
+    call: Callable[..., Any]
+    args: tuple[Any, ...]
+    outputs: tuple[int, ...]
+    nodes: tuple[int, ...]
+
+
+def scalar_values(graph: Graph, node: int) -> list[float]:
+    """The plain numbers among `node`'s non-tensor arguments (ε of a norm's add, a multiply's constant), in order;
+    keyword arguments (`alpha=1`) are left out."""
+    values = []
+    for text in graph.column("scalars", ()).get(node) or ():
+        if "=" in text:
+            continue
+        try:
+            values.append(float(text))
+        except ValueError:
+            continue
+    return values
+
+
+def leaf_input(graph: Graph, node: int) -> int:
+    """The position of `node`'s first input that no recorded op made (a parameter or buffer), -1 for none."""
+    return next((i for i, p in enumerate(graph.inputs.get(node, ())) if p < 0), -1)
+
+
+def input_index(graph: Graph, node: int, producer: int) -> int:
+    """The position of `producer`'s output among `node`'s inputs (-1: not an input)."""
+    inputs = graph.inputs.get(node, ())
+    return inputs.index(producer) if producer in inputs else -1

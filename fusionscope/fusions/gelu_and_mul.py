@@ -11,11 +11,11 @@ fused 3·I·s.
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fusionscope.apply.patching import Patcher, Support
-from fusionscope.fusions.base import Graph, Match, row_micro_case
-from fusionscope.fusions.silu_and_mul import patch_glu
+from fusionscope.fusions.base import Binding, Graph, Match, row_micro_case
+from fusionscope.fusions.silu_and_mul import glu_binding, patch_glu
 
 if TYPE_CHECKING:
     from fusionscope.bench.cases import Case
@@ -44,6 +44,19 @@ def find(graph: Graph) -> list[Match]:
         matches.append(Match(KEY, phase, step, tuple(sorted(group)), graph.module[muls[0]],
                              escaping=graph.escaping(group, {muls[0]}), rejected=rejected))  # fmt: skip
     return matches
+
+
+def bind(graph: Graph, match: Match) -> Binding | str:
+    """One `gelu_and_mul(gate, up, approximate)` in place of `gelu(gate) * up`."""
+    gelu = next((n for n in match.nodes if graph.name.get(n) == "aten::gelu"), -1)
+    approximate = "tanh" if "tanh" in str(graph.column("scalars", ()).get(gelu)) else "none"
+    return glu_binding(graph, match, "aten::gelu", fused_gelu_and_mul, approximate)
+
+
+def fused_gelu_and_mul(gate: Any, up: Any, approximate: str) -> Any:
+    from fusionscope.kernels import gelu_and_mul
+
+    return gelu_and_mul(gate, up, approximate)
 
 
 def micro_case(graph: Graph, match: Match) -> Case | None:

@@ -30,11 +30,11 @@ from __future__ import annotations
 import ast
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fusionscope.apply.patching import Support
 from fusionscope.apply.source import difference, forward_replaced, read_source, template, unless_training
-from fusionscope.fusions.base import Graph, Match
+from fusionscope.fusions.base import Binding, Graph, In, Match, leaf_input
 from fusionscope.fusions.gelu_and_mul import gating_muls
 
 if TYPE_CHECKING:
@@ -136,12 +136,42 @@ def micro_case(graph: Graph, match: Match) -> Case | None:
     x, w = operands[-2:] if len(operands) >= 2 else ((), ())
     if len(x) != 2 or len(w) != 2:
         return None
+    return linear_act_case(x[0], x[1], w[1], activation_of(graph, match))
+
+
+def activation_of(graph: Graph, match: Match) -> str:
+    """The matched activation as `linear_act` names it."""
     names = {graph.name.get(n) for n in match.nodes}
     scalars = graph.column("scalars", ())
     tanh_gelu = any("tanh" in str(scalars.get(n, ())) for n in match.nodes if graph.name.get(n) == "aten::gelu")
-    activation = ("silu" if "aten::silu" in names else "relu" if "aten::relu" in names
-                  else "gelu_tanh" if "aten::tanh" in names or tanh_gelu else "gelu")  # fmt: skip
-    return linear_act_case(x[0], x[1], w[1], activation)
+    return ("silu" if "aten::silu" in names else "relu" if "aten::relu" in names
+            else "gelu_tanh" if "aten::tanh" in names or tanh_gelu else "gelu")  # fmt: skip
+
+
+def bind(graph: Graph, match: Match) -> Binding | str:
+    """One `linear_act(x, weight, bias, activation)` in place of an `nn.Linear`'s GEMM (its `t` and row views are the
+    call's own), bias add and activation. Only a GEMM on a transposed parameter (x @ Wᵀ, the Linear layout) binds."""
+    gemm = next((n for n in match.nodes if graph.name.get(n) in GEMMS), -1)
+    first = 1 if graph.name.get(gemm) == "aten::addmm" else 0
+    weight_t = graph.producer(gemm, first + 1)
+    if graph.name.get(weight_t) != "aten::t" or graph.producer(weight_t) >= 0:
+        return "the GEMM's weight is not a Linear's transposed parameter"
+    bias: Any = In(gemm, 0) if first else None
+    adds = [n for n in match.nodes if graph.name.get(n) == "aten::add" and leaf_input(graph, n) >= 0]
+    if not first and adds:
+        bias = In(adds[0], leaf_input(graph, adds[0]))
+    members = set(match.nodes)
+    ends = [n for n in members if not set(graph.consumers.get(n, ())) & members]
+    if len(ends) != 1:
+        return "the group has more than one output"
+    x = In(gemm, first, through_views=True)
+    return Binding(fused_linear_act, (x, In(weight_t, 0), bias, activation_of(graph, match)), (ends[0],), match.nodes)
+
+
+def fused_linear_act(x: Any, weight: Any, bias: Any, activation: str) -> Any:
+    from fusionscope.kernels import linear_act
+
+    return linear_act(x, weight, bias, activation)
 
 
 @dataclass(frozen=True)

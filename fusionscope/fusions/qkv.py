@@ -184,6 +184,8 @@ def _version(x: torch.Tensor) -> int:
     back to back), and a write before the next forward's first projection call is harmless: that call recomputes
     the group (`FusedProjections`). Code that calls the fused projections itself, with in-place writes between
     them, under inference mode, gets stale outputs."""
+    if torch.compiler.is_compiling():  # traced once per graph: identity is what a captured graph can check
+        return -1
     return -1 if x.is_inference() else x._version
 
 

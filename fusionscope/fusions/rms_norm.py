@@ -13,13 +13,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from fusionscope.apply.layers import NormSpec, NormState, NotPatchable, norm_spec
 from fusionscope.apply.patching import Support
 from fusionscope.apply.source import forward_replaced, unless_training
-from fusionscope.fusions.base import Graph, Match, row_micro_case
+from fusionscope.fusions.base import Binding, Graph, In, Match, leaf_input, row_micro_case, scalar_values
 
 if TYPE_CHECKING:
-    import torch
     from torch import nn
 
     from fusionscope.apply.patching import Patcher
@@ -109,6 +110,54 @@ def find(graph: Graph) -> list[Match]:
         matches.append(Match(KEY, phase, step, tuple(sorted(group)), graph.module[rsqrt],
                              escaping=graph.escaping(group, {out})))  # fmt: skip
     return matches
+
+
+def norm_operands(graph: Graph, match: Match) -> tuple[int, list, int] | str:
+    """(rsqrt node, [x, weight, ε, offset, output dtype] as a bind passes them, output node) of a matched RMSNorm
+    chain, or why it cannot be bound: the weight is the leaf operand of a multiply after the normalisation (Llama's
+    `weight * x̂`, OLMo-2's `(weight * x̂).to(dtype)`), or, through Gemma's `1 + weight.float()`, offset 1."""
+    rsqrt = next((n for n in match.nodes if graph.name.get(n) == "aten::rsqrt"), -1)
+    chain = norm_chain(graph, rsqrt) if rsqrt >= 0 else None
+    if chain is None:
+        return "the group is no longer an RMSNorm chain"
+    group, _source, out = chain
+    power = graph.producer(graph.producer(graph.producer(rsqrt)))
+    x32 = graph.producer(power)
+    x = In(x32, 0) if graph.name.get(x32) == "aten::_to_copy" else In(power, 0)
+    eps = scalar_values(graph, graph.producer(rsqrt))
+    if len(eps) != 1:
+        return "ε is not a constant of the norm's add"
+    weight, offset = None, 0.0
+    for node in sorted(group):
+        if graph.name.get(node) == "aten::mul" and (leaf := leaf_input(graph, node)) >= 0:
+            weight = In(node, leaf)
+        elif graph.name.get(node) == "aten::add" and node != graph.producer(rsqrt):  # Gemma's 1 + w
+            constant = scalar_values(graph, node)
+            cast = graph.producer(node)
+            if constant and graph.name.get(cast) == "aten::_to_copy" and leaf_input(graph, cast) == 0:
+                weight, offset = In(cast, 0), constant[0]
+            elif constant and (leaf := leaf_input(graph, node)) >= 0:
+                weight, offset = In(node, leaf), constant[0]
+    if weight is None:
+        return "the norm has no weight the kernel can take"
+    dtype = (graph.column("output_dtypes", ()).get(out) or ("",))[0]
+    return rsqrt, [x, weight, eps[0], offset, dtype], out
+
+
+def bind(graph: Graph, match: Match) -> Binding | str:
+    """One `rms_norm(x, weight, ε, offset)` in place of the chain, cast to the chain's output dtype."""
+    found = norm_operands(graph, match)
+    if isinstance(found, str):
+        return found
+    _rsqrt, args, out = found
+    return Binding(fused_rms_norm, tuple(args), (out,), match.nodes)
+
+
+def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, dtype: str) -> torch.Tensor:
+    from fusionscope.kernels import rms_norm
+
+    out = rms_norm(x, weight, eps, offset)
+    return out if str(out.dtype).removeprefix("torch.") == dtype else out.to(getattr(torch, dtype))
 
 
 def micro_case(graph: Graph, match: Match) -> Case | None:

@@ -24,10 +24,10 @@ norms before the rope, and caches that write with `index_copy_`/`copy_` (StaticC
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fusionscope.apply.patching import Patcher, Support
-from fusionscope.fusions.base import Graph, Match
+from fusionscope.fusions.base import Binding, Graph, In, Match, input_index
 
 if TYPE_CHECKING:
     from fusionscope.bench.cases import Case
@@ -110,6 +110,41 @@ def find(graph: Graph) -> list[Match]:
             matches.append(Match(KEY, phase, step, tuple(sorted(group)), module,
                                  escaping=graph.escaping(group, outputs)))  # fmt: skip
     return matches
+
+
+def bind(graph: Graph, match: Match) -> Binding | str:
+    """One `rope(q, k, cos, sin)` in place of the q and k chains (and cos/sin's `unsqueeze`s when they are the
+    group's own); a DynamicCache's growing `cat`s stay, reading the rotated k the call returns."""
+    chains = [c for neg in sorted(match.nodes) if graph.name.get(neg) == "aten::neg" and
+              (c := rope_chain(graph, neg)) is not None]  # fmt: skip
+    if len(chains) != 2:
+        return "only one of q and k is rotated here; the kernel rotates both in one launch"
+    refs = []
+    for nodes, x, cos, sin, add in chains:
+        mul_cos = next(n for n in nodes if graph.name.get(n) == "aten::mul" and x in graph.inputs.get(n, ()))
+        mul_sin = next(n for n in nodes if graph.name.get(n) == "aten::mul" and n != mul_cos)
+        refs.append((In(mul_cos, input_index(graph, mul_cos, x)), add))
+        trig = [_unsqueezed(graph, mul_cos, cos, match), _unsqueezed(graph, mul_sin, sin, match)]
+    views = {n for n in match.nodes if graph.name.get(n) == "aten::unsqueeze"}
+    nodes = set().union(*(c[0] for c in chains)) | views
+    (q, q_out), (k, k_out) = refs
+    return Binding(fused_rope, (q, k, *trig), (q_out, k_out), tuple(sorted(nodes)))
+
+
+def _unsqueezed(graph: Graph, mul: int, producer: int, match: Match) -> In:
+    """cos or sin as `mul` reads it, or before its `unsqueeze` when that view is the group's own."""
+    if graph.name.get(producer) == "aten::unsqueeze" and producer in match.nodes:
+        return In(producer, 0)
+    return In(mul, input_index(graph, mul, producer))
+
+
+def fused_rope(q: Any, k: Any, cos: Any, sin: Any) -> tuple[Any, Any]:
+    """`rope` on cos/sin as the chain read them: (B, 1, S, D) broadcast over heads becomes the kernel's (B, S, D)."""
+    from fusionscope.kernels import rope
+
+    if cos.dim() == 4:
+        cos, sin = cos.squeeze(1), sin.squeeze(1)
+    return rope(q, k, cos, sin)
 
 
 def micro_case(graph: Graph, match: Match) -> Case | None:

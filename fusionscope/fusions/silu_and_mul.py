@@ -15,7 +15,7 @@ from torch import nn
 
 from fusionscope.apply.patching import Patcher, Support
 from fusionscope.apply.source import KERNEL_DTYPES, forward_replaced, read_source, statement_key, unless_training
-from fusionscope.fusions.base import Graph, Match, row_micro_case
+from fusionscope.fusions.base import Binding, Graph, In, Match, input_index, row_micro_case
 
 if TYPE_CHECKING:
     import torch
@@ -41,6 +41,28 @@ def find(graph: Graph) -> list[Match]:
         matches.append(Match(KEY, phase, step, tuple(sorted(group)), graph.module[muls[0]],
                              escaping=graph.escaping(group, {muls[0]}), rejected=rejected))  # fmt: skip
     return matches
+
+
+def glu_binding(graph: Graph, match: Match, activation: str, call: Callable[..., Any], *extra: Any) -> Binding | str:
+    """`call(gate, up, *extra)` in place of `activation(gate) * up` (either operand order)."""
+    act = next((n for n in match.nodes if graph.name.get(n) == activation), -1)
+    mul = next((n for n in match.nodes if graph.name.get(n) == "aten::mul"), -1)
+    at = input_index(graph, mul, act)
+    shapes = graph.column("input_shapes", ()).get(mul) or ()
+    if at < 0 or len(shapes) != 2 or shapes[0] != shapes[1]:
+        return "the gate and up operands differ in shape (a broadcast multiply)"
+    return Binding(call, (In(act, 0), In(mul, 1 - at), *extra), (mul,), match.nodes)
+
+
+def bind(graph: Graph, match: Match) -> Binding | str:
+    """One `silu_and_mul(gate, up)` in place of `silu(gate) * up`."""
+    return glu_binding(graph, match, "aten::silu", fused_silu_and_mul)
+
+
+def fused_silu_and_mul(gate: Any, up: Any) -> Any:
+    from fusionscope.kernels import silu_and_mul
+
+    return silu_and_mul(gate, up)
 
 
 def micro_case(graph: Graph, match: Match) -> Case | None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from fusionscope.report.formatting import figure_cells, text_or_dash
+from fusionscope.report.formatting import figure_cells, kernel_html, text_or_dash
 
 
 def _num(value: Any, spec: str) -> str:
@@ -189,7 +189,7 @@ def breakdown_table(graphs: Mapping[str, Any]) -> str:
     else:
         return ""
     head = ["launching op", "kernel", "module", "×", "µs", "share", "GB/s", "% copy", "TFLOP/s", "% peak", "class"]
-    rows = [[html.escape(r["op"]), f'<span class="kernel">{html.escape(r["kernel"][:120])}</span>',
+    rows = [[html.escape(r["op"]), kernel_html(r["kernel"], 120),
              html.escape(r.get("module") or ""), str(r["count"]), _num(r["us"], ".0f"),
              _num(None if r.get("share") is None else 100 * r["share"], ".1f") + "%",
              _num(r.get("achieved_gbps"), ".0f"),

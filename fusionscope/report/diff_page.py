@@ -15,7 +15,7 @@ import plotly.graph_objects as go
 
 from . import assets
 from .figures import _base_layout, plot_text
-from .formatting import DASH, as_float, fmt_count, fmt_num, fmt_signed_pct, phase_slugs
+from .formatting import DASH, as_float, fmt_count, fmt_num, fmt_signed_pct, kernel_html, phase_slugs
 from .page import _empty, _esc, _figure_html, _mapping, _plotly_js, _section
 
 METRIC_LABELS = {
@@ -119,7 +119,7 @@ def kernel_table(table_id: str, kernels: list[Any]) -> str:
     for row in kernels[:TOP_CHANGED]:
         row = _mapping(row)
         rows.append(
-            f"<tr>{_cell(_esc(row.get('name')), row.get('name'))}"
+            f"<tr>{_cell(kernel_html(row.get('name')), row.get('name'))}"
             f"{_cell(fmt_num(row.get('us_per_step')), as_float(row.get('us_per_step')), True)}"
             f"{_cell(fmt_count(row.get('calls_per_step')), as_float(row.get('calls_per_step')), True)}</tr>"
         )

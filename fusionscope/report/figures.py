@@ -16,6 +16,8 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.colors import qualitative
 
+from fusionscope.kernel_names import short_kernel_name
+
 from .formatting import as_float, fmt_num, fmt_pct
 from .grouping import ModuleTree, RooflinePoints
 
@@ -47,6 +49,16 @@ def plot_text(value: Any, limit: int | None = None) -> str:
     if limit is not None and len(text) > limit:
         text = text[: limit - 1] + "…"
     return html.escape(text, quote=False)
+
+
+def plot_wrapped(value: Any, width: int = 110, lines: int = 6) -> str:
+    """A long name (a kernel's C++ signature) escaped for a plotly hover and broken into lines of `width`
+    characters, at most `lines` of them (the rest cut with an ellipsis)."""
+    text = "" if value is None else str(value)
+    chunks = [text[i : i + width] for i in range(0, len(text), width)] or [""]
+    if len(chunks) > lines:
+        chunks = [*chunks[: lines - 1], chunks[lines - 1][: width - 1] + "…"]
+    return "<br>".join(html.escape(c, quote=False) for c in chunks)
 
 
 def _base_layout(height: int) -> dict[str, Any]:
@@ -250,7 +262,7 @@ def roofline_figure(points: RooflinePoints, roofs: Mapping[str, Any], fallback_d
             part = frame[frame["bound"] == bound]
             customdata = list(
                 zip(
-                    [plot_text(n, _NAME_CHARS) for n in part["name"]],
+                    [plot_text(short_kernel_name(n), _NAME_CHARS) for n in part["name"]],
                     [plot_text(o) for o in part["op"]],
                     [plot_text(m) for m in part["leaf"]],
                     [plot_text(c) for c in part["category"]],
@@ -259,6 +271,7 @@ def roofline_figure(points: RooflinePoints, roofs: Mapping[str, Any], fallback_d
                     part["us_per_step"].round(2),
                     [fmt_num(g) for g in part["gbps"]],
                     [fmt_pct(f, 1) for f in part["frac"]],
+                    [plot_wrapped(n) for n in part["name"]],
                     strict=True,
                 )
             )
@@ -279,7 +292,8 @@ def roofline_figure(points: RooflinePoints, roofs: Mapping[str, Any], fallback_d
                     },
                     customdata=customdata,
                     hovertemplate=(
-                        "<b>%{customdata[0]}</b><br>op %{customdata[1]} · module %{customdata[2]}<br>"
+                        "<b>%{customdata[0]}</b><br><span style='font-size:10px'>%{customdata[9]}</span><br>"
+                        "op %{customdata[1]} · module %{customdata[2]}<br>"
                         "%{customdata[3]} · %{customdata[4]} · " + plot_text(bound) + "-bound<br>"
                         "%{customdata[6]:,.1f} µs/step in %{customdata[5]:,.1f} calls<br>"
                         "%{x:.3g} FLOP/B · %{y:.3g} TFLOP/s · %{customdata[7]} GB/s<br>"

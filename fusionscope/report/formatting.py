@@ -7,6 +7,7 @@ missing or non-finite values as an em dash instead of ``None``/``nan`` leaking i
 
 from __future__ import annotations
 
+import html
 import math
 import re
 from collections.abc import Mapping
@@ -14,6 +15,18 @@ from datetime import datetime
 from typing import Any
 
 DASH = "—"
+
+
+def kernel_html(value: Any, limit: int | None = None) -> str:
+    """A kernel's short name (`fusionscope.kernel_names`) as HTML, its full name the tooltip (`title`); `limit` cuts
+    a short name longer than that with an ellipsis (the tooltip keeps it whole)."""
+    from fusionscope.kernel_names import short_kernel_name
+
+    full = text_or_dash(value)
+    short = short_kernel_name(full) if full != DASH else full
+    if limit is not None and len(short) > limit:
+        short = short[: limit - 1] + "…"
+    return f'<span class="kernel" title="{html.escape(full, quote=True)}">{html.escape(short, quote=False)}</span>'
 
 
 def as_float(value: Any) -> float | None:

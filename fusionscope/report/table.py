@@ -16,7 +16,7 @@ from typing import Any
 import pandas as pd
 
 from .figures import BOUND_COLOURS
-from .formatting import DASH, as_float, fmt_count, fmt_int, fmt_num, fmt_pct, text_or_dash
+from .formatting import DASH, as_float, fmt_count, fmt_int, fmt_num, fmt_pct, kernel_html, text_or_dash
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ def _text(value: Any) -> str:
 
 COLUMNS: tuple[Column, ...] = (
     Column("rank", "#", True, fmt_int),
-    Column("name", "kernel", False, _text),
+    Column("name", "kernel", False, kernel_html),
     Column("op", "op", False, _text),
     Column("module", "module", False, _text),
     Column("category", "category", False, _text),

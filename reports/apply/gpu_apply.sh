@@ -34,6 +34,13 @@ for one in ${set_name//,/ }; do
     graphsqwen) runs+=("qwen2.5-7b --prompt-len 512 --decode-steps 64 --repeats 3 --graphs --graphs-only --graphs-together") ;;
     graphsgemma) runs+=("gemma-2-2b --prompt-len 512 --decode-steps 64 --repeats 3 --graphs --graphs-only --graphs-together") ;;
     mistral) runs+=("mistral-7b --prompt-len 512 --decode-steps 32 --repeats 3") ;;
+    famtiny) runs+=("tiny-phi3 --prompt-len 64 --decode-steps 8 --repeats 2 --graphs --graphs-only --graphs-together"
+                    "tiny-neox --prompt-len 64 --decode-steps 8 --repeats 2 --graphs --graphs-only --graphs-together") ;;
+    graphsphi3) runs+=("phi-3-mini --prompt-len 512 --decode-steps 64 --repeats 3 --graphs --graphs-only --graphs-together") ;;
+    graphsolmo2) runs+=("olmo-2-7b --prompt-len 512 --decode-steps 64 --repeats 3 --graphs --graphs-only --graphs-together") ;;
+    graphsqwen3) runs+=("qwen3-8b --prompt-len 512 --decode-steps 64 --repeats 3 --graphs --graphs-only --graphs-together") ;;
+    graphsneox) runs+=("pythia-6.9b --prompt-len 512 --decode-steps 64 --repeats 3 --graphs --graphs-only --graphs-together") ;;
+    graphsllama) runs+=("llama-3.1-8b --prompt-len 512 --decode-steps 64 --repeats 3 --graphs --graphs-only --graphs-together") ;;
     tests|host|silu|w4a16|w4a16apply|dabench|agree|nproc1) ;;
     *) echo "unknown set $one"; exit 2 ;;
   esac

@@ -1,0 +1,396 @@
+"""Patching from the dataflow: capture the module, find the catalogue's groups on its graph, replace each group with
+its bundled kernel, and run that graph.
+
+Why: a patch that compares a forward's source with one family's layout (`fusionscope.apply.layers`, `.attention`)
+gives up on every family it was not written for (Phi-3's fused projections, OLMo-2's norms after the branches, a
+user's own GELU block), although the finder matches their groups on the dataflow. The finder's matches are sets of
+aten ops joined by tensor identity; this module puts the kernel exactly where those ops were, on a captured graph,
+so whatever the finder matches, the patch can follow.
+
+How, per captured module (the smallest module holding every site to patch, so that a residual add at the end of one
+decoder layer and the next layer's input norm are one graph):
+1. **Capture.** `torch.compile(forward, backend=Rewriter, fullgraph=True)` bound on the instance
+   (`Patcher.set_forward`, undone on restore; no class, no module global changes). TorchDynamo turns the forward into
+   an FX graph of torch-level calls, with guards that recompile (and rewrite again) when a shape, a branch or a cache
+   object changes, so Python control flow is never baked in unchecked. A forward dynamo cannot capture whole
+   (data-dependent Python control flow) raises at the first call; `install` calls it once on an example input, so the
+   failure is found before anything is measured, named in one line, and the patch falls back to the layout patchers.
+2. **Record.** The backend runs the FX graph once under a `FakeTensorMode` (shapes and dtypes only: no data, no cache
+   write, no counter bumped) below a `fusionscope.dataflow` recorder that also notes which FX node dispatched each aten
+   op and which FX node handed over each tensor. That gives the same node table the profile's dataflow pass gives,
+   so `fusionscope.fusions.find_matches` runs on it unchanged.
+3. **Rewrite.** For each match of a fusion to patch (at a site the run found), the fusion module's `bind(graph,
+   match)` says which kernel replaces which of the group's aten ops, and which tensors (an input of a group op, by
+   position) and constants (ε, read off the op's scalars) it takes (`fusionscope.fusions.base.Binding`). The FX nodes
+   that dispatched those ops are replaced by one call, inserted where every input exists and before any other reader
+   of the outputs. A group is left unfused, with its reason, when an FX call spans its boundary (a traced call that
+   computes both inside and outside the group), when an intermediate is read outside it, or when the bind refuses.
+4. **Run.** The backend returns the rewritten graph module: eager Python over the graph's calls, the bundled kernels
+   among them (their eager lean launch path). `compile_fused` hands the rewritten graph to Inductor instead, where
+   the kernels are `torch.library.triton_op`s (fake implementations from their launchers), so they compile without
+   graph breaks, and with `mode="reduce-overhead"` Inductor's CUDA graphs.
+
+Limits: hooks registered on submodules after the capture do not run inside the compiled forward (a profile of the
+patched model attributes the fused region's kernels to the captured module); a forward in training mode takes the
+class's forward, since the kernels keep no autograd history; each new guard set (prefill, the first decode step,
+then a decode of any length once dynamo marks it dynamic) costs one capture and rewrite.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+import types
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+import torch
+from torch import fx, nn
+
+from fusionscope import dataflow
+from fusionscope.fusions.base import Binding, Graph, In, Out
+
+OWNER = "rewrite"  # the Patcher's owner name of a captured module's forward
+
+
+class CaptureFailed(Exception):
+    """The module's forward could not be captured as one graph: the reason, one line."""
+
+
+# ------------------------------------------------------------------------------------------------------------ record
+
+
+class _FxRecorder(dataflow._Recorder):
+    """The dataflow recorder, plus per row: the FX node that dispatched it, its input tensors with the FX node that
+    handed each over, and its output tensors."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.fx_node: fx.Node | None = None
+        self.fx_of: dict[int, fx.Node] = {}  # id(tensor) -> the latest FX node whose output it is
+        self.row_fx: dict[int, fx.Node | None] = {}
+        self.row_inputs: dict[int, list[tuple[torch.Tensor, fx.Node | None]]] = {}
+        self.row_outputs: dict[int, list[torch.Tensor]] = {}
+        self.keep: list[Any] = []  # every tensor seen stays alive, so that ids are never reused
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func.namespace == "prim":  # device/layout queries of fake tensors, no computation
+            return func(*args, **(kwargs or {}))
+        tensors: list[torch.Tensor] = []
+        dataflow._split(list(args) + list((kwargs or {}).values()), tensors, [], "")
+        handed = [(t, self.fx_of.get(id(t))) for t in tensors]
+        start = len(self.rows)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if start < len(self.rows) and start not in self.row_fx:  # this call's own row (a decomposition records parts)
+            outs: list[torch.Tensor] = []
+            dataflow._split(out, outs, [], "")
+            self.row_fx[start] = self.fx_node
+            self.row_inputs[start] = handed
+            self.row_outputs[start] = outs
+            self.keep.append((tensors, outs))
+        return out
+
+    def handed_over(self, node: fx.Node, value: Any) -> None:
+        """`node` ran and returned `value`: its tensors are now handed over by `node`."""
+        if isinstance(value, torch.Tensor):
+            self.fx_of[id(value)] = node
+            self.keep.append(value)
+
+
+@dataclass
+class Traced:
+    """A captured graph's dataflow: the node table (`fusionscope.dataflow.NODE_COLUMNS`), and per row the FX node
+    that dispatched it, its inputs as (tensor, FX node that handed it over), and its outputs' FX nodes."""
+
+    nodes: pd.DataFrame
+    row_fx: dict[int, fx.Node | None]
+    row_inputs: dict[int, list[tuple[torch.Tensor, fx.Node | None]]]
+    output_fx: dict[int, fx.Node | None]
+    is_view: dict[int, bool] = field(default_factory=dict)
+
+    def rows_of(self, nodes: set[fx.Node]) -> set[int]:
+        return {r for r, n in self.row_fx.items() if n in nodes}
+
+
+def module_path(node: fx.Node, prefix: str) -> str:
+    """The qualified module path (as the profile names modules) of the innermost module around `node`'s call;
+    `prefix`: the captured module's own path ('' for the root, whose name is its class's)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return prefix
+    path = list(stack.values())[-1][0]
+    path = re.sub(r"^L\[[^\]]*\](\[\d+\])?", "", path)  # dynamo's name of the traced object: L['self'], L['args'][0]
+    path = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path).replace("._modules.", ".")
+    path = path.replace(".forward.__self__", "").strip(".")  # a forward bound on the instance names its module so
+    return ".".join(p for p in (prefix, path) if p) or prefix
+
+
+def trace_dataflow(gm: fx.GraphModule, example_inputs: list[Any], prefix: str) -> Traced:
+    """Run `gm` once on fake copies of `example_inputs` under the recorder; the dataflow of its aten ops."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    inputs = [_fake(fake_mode, x) for x in example_inputs]
+    recorder = _FxRecorder()
+    modules = {n: module_path(n, prefix) for n in gm.graph.nodes}
+
+    class _Run(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            recorder.fx_node = n
+            recorder.module_stack[:] = [modules[n]]
+            before = len(recorder.rows)
+            value = super().run_node(n)
+            # a call that computed nothing and returned a tensor it was given (`.to` of a tensor already of that
+            # dtype) hands nothing over: the tensor's maker stays the call that made it
+            if len(recorder.rows) > before or not isinstance(value, torch.Tensor) or id(value) not in recorder.fx_of:
+                recorder.handed_over(n, value)
+            return value
+
+    with fake_mode, recorder, torch.inference_mode(False), torch.no_grad():
+        _Run(gm).run(*inputs)
+    rows = recorder.rows
+    consumers: list[list[int]] = [[] for _ in rows]
+    for row in rows:
+        for p in set(row[5]):
+            if p >= 0:
+                consumers[p].append(row[0])
+    frame = pd.DataFrame([(*row[:11], tuple(c), *row[11:]) for row, c in zip(rows, consumers)],
+                         columns=dataflow.NODE_COLUMNS)  # fmt: skip
+    frame = frame.assign(step=0, phase="graph", op_id=-1)
+    output_fx: dict[int, fx.Node | None] = {}
+    for row, outs in recorder.row_outputs.items():
+        output_fx[row] = recorder.fx_of.get(id(outs[0])) if outs else None
+    return Traced(frame, recorder.row_fx, recorder.row_inputs, output_fx, dict(zip(frame["node"], frame["is_view"])))
+
+
+def _fake(mode: Any, value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return mode.from_tensor(value, static_shapes=True)
+    if isinstance(value, torch.SymInt):
+        return value.node.hint
+    return value
+
+
+# ------------------------------------------------------------------------------------------------------------ rewrite
+
+
+def replace_group(gm: fx.GraphModule, traced: Traced, binding: Binding, taken: dict[fx.Node, fx.Node | None]) -> str:
+    """Replace the FX nodes behind `binding.nodes` with one call of `binding.call`; '' when done, else why not (the
+    graph is then unchanged). `taken`: FX nodes earlier replacements removed → the node now standing for their
+    output (None: an intermediate); updated."""
+    rows = set(binding.nodes)
+    group = {traced.row_fx.get(r) for r in rows}
+    if None in group:
+        return "an op of the group ran outside the captured graph's calls"
+    group |= _idle_between(group, set(traced.row_fx.values()))
+    if group & taken.keys():
+        return "another fusion already replaced some of these ops"
+    for r in traced.rows_of(group) - rows:
+        name = traced.nodes.at[r, "name"]
+        if not traced.is_view.get(r) and name not in dataflow.METADATA_OPS:
+            return f"a traced call computes both inside and outside the group ({traced.row_fx[r].name}: {name})"
+    outputs = [traced.output_fx.get(r) for r in binding.outputs]
+    if any(o is None or o not in group for o in outputs):
+        return "an output of the group is not the result of a traced call"
+    args = []
+    for a in binding.args:
+        if isinstance(a, In):
+            node = _handed_over(traced, a, group)
+            while node in taken:
+                node = taken[node]
+            if node is None:
+                return f"input {a.index} of {traced.nodes.at[a.node, 'name']} is not handed over by a call outside it"
+            args.append(node)
+        elif isinstance(a, Out):
+            return "a group's output cannot be its own input"
+        else:
+            args.append(a)
+    for n in group - set(outputs):
+        if any(u not in group for u in n.users):
+            return f"an intermediate of the group ({n.name}) is read outside it"
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    readers = [u for o in outputs for u in o.users if u not in group]
+    first_reader = min((order[u] for u in readers), default=len(order))
+    last_input = max((order[a] for a in args if isinstance(a, fx.Node)), default=-1)
+    at = max(order[n] for n in group)
+    if at >= first_reader:
+        at = last_input
+    if at >= first_reader or last_input > at:
+        return "no place in the graph has every input before the outputs' first reader"
+    anchor = list(gm.graph.nodes)[at]
+    with gm.graph.inserting_after(anchor):
+        call = gm.graph.call_function(binding.call, tuple(args))
+    results = [call]
+    if len(outputs) > 1:
+        with gm.graph.inserting_after(call):
+            results = [gm.graph.call_function(operator.getitem, (call, i)) for i in range(len(outputs))]
+    for old, new in zip(outputs, results):
+        old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in group and user not in results)
+    for n in sorted(group, key=order.__getitem__, reverse=True):
+        gm.graph.erase_node(n)
+    taken.update(dict.fromkeys(group))
+    taken.update(zip(outputs, results))
+    return ""
+
+
+def _idle_between(group: set[fx.Node], busy: set[fx.Node]) -> set[fx.Node]:
+    """Calls that computed nothing (no aten op: `.to` of a tensor already of that dtype) read only by the group and
+    reading from it: they go with the group."""
+    idle: set[fx.Node] = set()
+    changed = True
+    while changed:
+        changed = False
+        for member in list(group | idle):
+            for user in member.users:
+                if user in group or user in idle or user in busy or user.op not in ("call_function", "call_method"):
+                    continue
+                if all(u in group or u in idle for u in user.users) and user.users:
+                    idle.add(user)
+                    changed = True
+    return idle
+
+
+def _handed_over(traced: Traced, ref: In, group: set[fx.Node]) -> fx.Node | None:
+    """The FX node outside `group` that hands over the tensor `ref` names; None when there is none. With
+    `ref.through_views`, a view made inside the group's calls is followed back to its base."""
+    while True:
+        handed = traced.row_inputs.get(ref.node, [])
+        node = handed[ref.index][1] if ref.index < len(handed) else None
+        if node is not None and node not in group:
+            return node
+        inputs = traced.nodes.at[ref.node, "inputs"]
+        producer = inputs[ref.index] if ref.index < len(inputs) else -1
+        if not ref.through_views or producer < 0 or not traced.is_view.get(producer):
+            return None
+        ref = In(producer, 0, True)
+
+
+@dataclass
+class Rewriter:
+    """The dynamo backend: records each captured graph's dataflow, finds the catalogue's groups on it, replaces those
+    of `sites` ({fusion: module paths}; a fusion with no paths: every site) with their kernels, and hands the graph to
+    `then` (None: run it as it is). `results[fusion][path]` collects '' (patched) or why not, over every graph."""
+
+    sites: dict[str, list[str]]
+    prefix: str = ""
+    then: Callable[[fx.GraphModule, list[Any]], Callable[..., Any]] | None = None
+    results: dict[str, dict[str, str]] = field(default_factory=dict)
+    graphs: int = 0
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        from fusionscope.apply.patching import fusion_modules
+        from fusionscope.fusions import find_matches
+
+        self.graphs += 1
+        traced = trace_dataflow(gm, example_inputs, self.prefix)
+        graph = Graph(traced.nodes)
+        modules = fusion_modules()
+        taken: dict[fx.Node, fx.Node | None] = {}
+        matches = [m for m in find_matches(graph) if not m.rejected and m.fusion in self.sites]
+        for fusion in modules:  # catalogue order, as the layout patchers
+            for match in (m for m in matches if m.fusion == fusion):
+                paths = self.sites[fusion]
+                if paths and match.anchor_module not in paths:
+                    continue
+                seen = self.results.setdefault(fusion, {})
+                binding = modules[fusion].bind(graph, match)
+                why = binding if isinstance(binding, str) else replace_group(gm, traced, binding, taken)
+                if not seen.get(match.anchor_module):  # a site patched in one graph stays patched
+                    seen[match.anchor_module] = why
+        gm.graph.lint()
+        gm.recompile()
+        return self.then(gm, example_inputs) if self.then is not None else gm.forward
+
+
+# ------------------------------------------------------------------------------------------------------------ install
+
+
+def captured_module(model: nn.Module, paths: Iterable[str]) -> str:
+    """The path of the smallest module holding every one of `paths` ('' the model itself), descending no further
+    than a module whose forward is not plain (a `ModuleList` is walked past, never captured)."""
+    split = [p.split(".") for p in paths if p]
+    common: list[str] = []
+    for parts in zip(*split) if split else ():
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    while common:
+        module = model.get_submodule(".".join(common))
+        if not isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) and all(
+            ".".join(p) != ".".join(common) for p in split
+        ):
+            break
+        common.pop()
+    return ".".join(common)
+
+
+# module -> {sites: (its rewriter, the compiled function of its forward)}; weak, so a dropped model is freed
+_REWRITERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+RECOMPILE_LIMIT = 64  # graphs per forward while a patch is on: prefill and decode shapes of several fusion sets
+
+
+def install(patcher: Any, sites: dict[str, list[str]], example: Callable[[nn.Module], Any]) -> dict[str, dict]:
+    """Capture the module holding `sites`, bound on its instance through `patcher`, and run `example(model)` once so
+    that the first graphs are captured and rewritten now. Returns {fusion: {path: '' or why not}}; raises
+    CaptureFailed (the forward left as it was) when the forward cannot be captured whole.
+
+    The rewriter and its compiled forward are kept per (module, sites): entering the same patch again (apply enters
+    one per check and per timed round) reuses the graphs already rewritten, under dynamo's guards."""
+    import torch._dynamo
+
+    path = captured_module(patcher.model, [p for paths in sites.values() for p in paths])
+    module = patcher.model.get_submodule(path) if path else patcher.model
+    label = path or type(module).__name__
+    original = module.forward
+    if not isinstance(original, types.MethodType):
+        raise CaptureFailed(f"{label}'s forward is not a method of the module; nothing to capture")
+    key = tuple(sorted((f, tuple(p)) for f, p in sites.items()))
+    kept = _REWRITERS.setdefault(module, {})
+    if key not in kept:
+        rewriter = Rewriter(sites, prefix=path)
+        kept[key] = rewriter, torch.compile(original.__func__, backend=rewriter, fullgraph=True)
+    rewriter, compiled = kept[key]
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if self.training:  # the kernels have no backward
+            return original(*args, **kwargs)
+        return compiled(self, *args, **kwargs)
+
+    patcher.set_forward(module, forward, OWNER)
+    config = torch._dynamo.config
+    limit = config.recompile_limit
+    config.recompile_limit = max(limit, RECOMPILE_LIMIT)
+    patcher.on_restore(lambda: setattr(config, "recompile_limit", limit))
+    try:
+        example(patcher.model)
+    except torch._dynamo.exc.BackendCompilerFailed as error:
+        kept.pop(key, None)
+        raise CaptureFailed(f"rewriting the graph of {label} failed: {_first_line(error.inner_exception)}") from None
+    except torch._dynamo.exc.TorchDynamoException as error:
+        kept.pop(key, None)
+        raise CaptureFailed(f"{label} ({type(module).__name__}) cannot be captured as one graph: "
+                            f"{_first_line(error)}") from None  # fmt: skip
+    return rewriter.results
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def compile_fused(model: nn.Module, sites: dict[str, list[str]], mode: str | None = "reduce-overhead") -> Any:
+    """`model.forward` compiled by Inductor after the rewrite of `sites` ({fusion: paths}): the bundled kernels
+    inside torch.compile's graph, as `triton_op`s (`mode` as torch.compile's: "reduce-overhead" adds Inductor's CUDA
+    graphs). Returns (compiled forward, Rewriter): the rewriter's `results` fill in as graphs compile."""
+    from torch._inductor.compile_fx import compile_fx
+
+    patches = {"triton.cudagraphs": True} if mode == "reduce-overhead" else {}
+
+    def inductor(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        return compile_fx(gm, example_inputs, config_patches=patches)
+
+    rewriter = Rewriter(sites, prefix="", then=inductor)
+    return torch.compile(model.forward, backend=rewriter, fullgraph=False, dynamic=False), rewriter
