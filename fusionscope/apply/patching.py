@@ -189,6 +189,7 @@ def patch(model: nn.Module, where: Iterable[Any] | None = None, only: Iterable[s
         check_fusion_names(wanted)
     modules = fusion_modules()
     no_kernels = kernels_unavailable(model)
+    rewrite = rewrite and not _sharded_ranks()
     patcher = Patcher(model)
     patcher.state["sampler"] = sampler
     result = PatchResult()
@@ -256,6 +257,13 @@ def _graph_patch(patcher: Patcher, result: PatchResult, on_graph: dict[str, list
             result.note(fusion, path, Support.yes() if why == "" else Support.no(why))
         if fusion in result.applied:
             result.rewritten.append(fusion)
+
+
+def _sharded_ranks() -> bool:
+    """Tensor-parallel ranks (`apply --nproc N`, N > 1) keep the layout patchers: a captured graph of DTensor
+    shards and their collectives is not what the rewrite was checked on."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def default_example(model: nn.Module) -> None:

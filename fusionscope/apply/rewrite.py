@@ -360,16 +360,19 @@ def install(patcher: Any, sites: dict[str, list[str]], example: Callable[[nn.Mod
         return compiled(self, *args, **kwargs)
 
     patcher.set_forward(module, forward, OWNER)
+    # while the patch is on: room for its graphs, and constants (ε) kept constants — a float attribute that differs
+    # between two models of one class would otherwise become a graph input the rewrite cannot read
     config = torch._dynamo.config
-    limit = config.recompile_limit
-    config.recompile_limit = max(limit, RECOMPILE_LIMIT)
-    patcher.on_restore(lambda: setattr(config, "recompile_limit", limit))
+    saved = {"recompile_limit": config.recompile_limit, "specialize_float": config.specialize_float}
+    config.recompile_limit = max(saved["recompile_limit"], RECOMPILE_LIMIT)
+    config.specialize_float = True
+    patcher.on_restore(lambda: [setattr(config, k, v) for k, v in saved.items()])
     try:
         example(patcher.model)
     except torch._dynamo.exc.BackendCompilerFailed as error:
         kept.pop(key, None)
         raise CaptureFailed(f"rewriting the graph of {label} failed: {_first_line(error.inner_exception)}") from None
-    except torch._dynamo.exc.TorchDynamoException as error:
+    except Exception as error:  # dynamo's refusals (TorchDynamoException, FailOnRecompileLimitHit) and the like
         kept.pop(key, None)
         raise CaptureFailed(f"{label} ({type(module).__name__}) cannot be captured as one graph: "
                             f"{_first_line(error)}") from None  # fmt: skip
