@@ -188,9 +188,11 @@ def replace_group(gm: fx.GraphModule, traced: Traced, binding: Binding, taken: d
     group |= _idle_between(group, set(traced.row_fx.values()))
     if group & taken.keys():
         return "another fusion already replaced some of these ops"
-    for r in traced.rows_of(group) - rows:
+    inside = traced.rows_of(group)
+    for r in inside - rows:  # ops of the group's calls the match left out: views, or the calls' own internals
         name = traced.nodes.at[r, "name"]
-        if not traced.is_view.get(r) and name not in dataflow.METADATA_OPS:
+        internal = set(traced.nodes.at[r, "consumers"]) <= inside
+        if not traced.is_view.get(r) and name not in dataflow.METADATA_OPS and not internal:
             return f"a traced call computes both inside and outside the group ({traced.row_fx[r].name}: {name})"
     outputs = [traced.output_fx.get(r) for r in binding.outputs]
     if any(o is None or o not in group for o in outputs):
@@ -268,6 +270,19 @@ def _handed_over(traced: Traced, ref: In, group: set[fx.Node]) -> fx.Node | None
         ref = In(producer, 0, True)
 
 
+def drop_dead(gm: fx.GraphModule, traced: Traced) -> None:
+    """Remove the calls a replacement left without readers (a mask only the replaced attention read): only calls that
+    dispatched ops, none of them writing in place. FX's own dead-code pass would also drop in-place method calls
+    whose result nobody reads (a cache's `index_copy_`)."""
+    pure: dict[fx.Node, bool] = {}
+    for row, node in traced.row_fx.items():
+        if node is not None:
+            pure[node] = pure.get(node, True) and not traced.nodes.at[row, "inplace"]
+    for node in reversed(list(gm.graph.nodes)):
+        if not node.users and node.op in ("call_function", "call_method") and pure.get(node):
+            gm.graph.erase_node(node)
+
+
 @dataclass
 class Rewriter:
     """The dynamo backend: records each captured graph's dataflow, finds the catalogue's groups on it, replaces those
@@ -300,6 +315,7 @@ class Rewriter:
                 why = binding if isinstance(binding, str) else replace_group(gm, traced, binding, taken)
                 if not seen.get(match.anchor_module):  # a site patched in one graph stays patched
                     seen[match.anchor_module] = why
+        drop_dead(gm, traced)
         gm.graph.lint()
         gm.recompile()
         return self.then(gm, example_inputs) if self.then is not None else gm.forward

@@ -31,10 +31,11 @@ zeros) are not what it computes — fusionscope's workloads and `generate` on un
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
+from typing import TYPE_CHECKING, Any
 
 from fusionscope.apply.patching import Patcher, Support
-from fusionscope.fusions.base import Graph, Match
+from fusionscope.fusions.base import Binding, Graph, In, Match
 
 if TYPE_CHECKING:
     from fusionscope.bench.cases import Case
@@ -85,7 +86,8 @@ def find(graph: Graph) -> list[Match]:
             continue
         phase, step = graph.where(node)
         query = (shapes.get(node) or ((),))[0]
-        if phase != "decode" or not _one_position(graph, node, query, shapes):
+        # a captured graph ("graph", `fusionscope.apply.rewrite`) is judged by its shapes alone
+        if phase not in ("decode", "graph") or not _one_position(graph, node, query, shapes):
             continue
         module = graph.module[node]
         group = {node}
@@ -95,6 +97,47 @@ def find(graph: Graph) -> list[Match]:
         rejected = "an expanded k or v is read outside the attention" if escaping else ""
         matches.append(Match(KEY, phase, step, tuple(sorted(group)), module, escaping=escaping, rejected=rejected))
     return matches
+
+
+CACHE_WRITES = ("aten::index_copy_", "aten::index_copy")
+
+
+def _cache_input(graph: Graph, match: Match, node: int, which: int) -> tuple[In, int]:
+    """Input `which` of the attention followed up through the group's own `repeat_kv` copies: the reference to the
+    cache tensor as written, and its writer (-1 none)."""
+    while graph.producer(node, which) in match.nodes:
+        node, which = graph.producer(node, which), 0
+    return In(node, which), graph.producer(node, which)
+
+
+def bind(graph: Graph, match: Match) -> Binding | str:
+    """One `decode_attention(q, k_cache, v_cache, length, scale)` in place of the attention (and its `repeat_kv`
+    copies), where K and V are a static cache's whole buffers written in place (`index_copy_` at the token's
+    position, as transformers' StaticLayer writes): `length` is that position + 1, read on the device."""
+    attention = next((n for n in match.nodes if is_attention(graph.name.get(n, ""))), -1)
+    (k, k_writer), (v, v_writer) = _cache_input(graph, match, attention, 1), _cache_input(graph, match, attention, 2)
+    if graph.name.get(k_writer) not in CACHE_WRITES or graph.name.get(v_writer) not in CACHE_WRITES:
+        return "K and V are not a static cache written in place (a DynamicCache grows by cat): the kernel reads one"
+    scale = None
+    for text in graph.column("scalars", ()).get(attention) or ():
+        if text.startswith("scale=") and text != "scale=None":
+            scale = float(text.removeprefix("scale="))
+    args = (In(attention, 0), k, v, In(k_writer, 1), scale)
+    return Binding(fused_decode_attention, args, (attention,), match.nodes)
+
+
+def fused_decode_attention(q: Any, k_cache: Any, v_cache: Any, positions: Any, scale: float | None) -> Any:
+    """The kernel on the attention's operands: q (B, H, 1, d), or transformers 5.24's packed one-token query
+    (B, K, H/K, d), whose result is packed back the same way; the result in the attention output's layout."""
+    from fusionscope.kernels import decode_attention
+
+    b, heads, rows, d = q.shape
+    packed = rows != 1
+    query = q.reshape(b, heads * rows, 1, d) if packed else q
+    length = positions[-1:] + 1  # the rows written so far: the token's position is the last one
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = decode_attention(query, k_cache, v_cache, length, scale)  # (B, 1, H, d)
+    return out.view(b, heads, rows, d) if packed else out.transpose(1, 2)
 
 
 def micro_case(graph: Graph, match: Match) -> Case | None:
