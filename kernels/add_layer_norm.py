@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from fusionscope.kernels.dispatch import launchable, new_output, pow2, run
-from fusionscope.kernels.rounding import round_to as _round
+from fusionscope.kernels.rounding import round_to
 from torch.library import triton_op
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -81,7 +81,7 @@ def _add_layer_norm_kernel(
     # both loads happen before any store, so the outputs may alias the inputs (in-place update)
     x = tl.load(x_ptr + i0 * stride_x0 + i1 * stride_x1 + cols * stride_xn, mask=mask).to(tl.float32)
     r = tl.load(r_ptr + i0 * stride_r0 + i1 * stride_r1 + cols * stride_rn, mask=mask).to(tl.float32)
-    h = _round(x + r, ro_ptr.dtype.element_ty)  # the stored residual, rounded as eager's add rounds it
+    h = round_to(x + r, ro_ptr.dtype.element_ty)  # the stored residual, rounded as eager's add rounds it
     tl.store(ro_ptr + i0 * stride_ro0 + i1 * stride_ro1 + cols * stride_ron, h.to(ro_ptr.dtype.element_ty), mask=mask)
     mean = tl.sum(h, axis=0) / N
     d = tl.where(mask, h - mean, 0.0)
@@ -91,7 +91,7 @@ def _add_layer_norm_kernel(
         y = y * tl.load(w_ptr + cols * stride_w, mask=mask).to(tl.float32)
     if HAS_BIAS:
         y = y + tl.load(b_ptr + cols * stride_b, mask=mask).to(tl.float32)
-    y = _round(y, o_ptr.dtype.element_ty)
+    y = round_to(y, o_ptr.dtype.element_ty)
     tl.store(o_ptr + i0 * stride_o0 + i1 * stride_o1 + cols * stride_on, y.to(o_ptr.dtype.element_ty), mask=mask)
 
 

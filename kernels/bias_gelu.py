@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 from fusionscope.kernels.dispatch import cdiv, launchable, new_output, run
 from fusionscope.kernels.gelu_and_mul import _check_approximate, _gelu
-from fusionscope.kernels.silu_and_mul import _launch, _round, _row_dims
+from fusionscope.kernels.rounding import round_to
+from fusionscope.kernels.silu_and_mul import _launch, _row_dims
 from torch.library import triton_op
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -72,11 +73,11 @@ def _bias_gelu_kernel(
     dtype = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + r0 * stride_x0 + r1 * stride_x1 + cols * stride_xn, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(bias_ptr + cols * stride_bn, mask=mask, other=0.0).to(tl.float32)
-    h = _round(x + b, dtype)  # eager's `x + bias` output rounds to the dtype
-    y = _round(_gelu(h, TANH), dtype)  # and so does its gelu output
+    h = round_to(x + b, dtype)  # eager's `x + bias` output rounds to the dtype
+    y = round_to(_gelu(h, TANH), dtype)  # and so does its gelu output
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + r0 * stride_r0 + r1 * stride_r1 + cols * stride_rn, mask=mask, other=0.0)
-        y = _round(r.to(tl.float32) + y, dtype)
+        y = round_to(r.to(tl.float32) + y, dtype)
     tl.store(out_ptr + r0 * stride_o0 + r1 * stride_o1 + cols * stride_on, y.to(dtype), mask=mask)  # exact cast
 
 

@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 from fusionscope.kernels.dispatch import cdiv, launchable, run
-from fusionscope.kernels.silu_and_mul import _launch, _round, _row_dims, glu_operands
+from fusionscope.kernels.rounding import round_to
+from fusionscope.kernels.silu_and_mul import _launch, _row_dims, glu_operands
 from torch.library import triton_op
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -78,8 +79,8 @@ def _gelu_and_mul_kernel(
     mask = cols < N
     g = tl.load(gate_ptr + r0 * stride_g0 + r1 * stride_g1 + cols * stride_gn, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + r0 * stride_u0 + r1 * stride_u1 + cols * stride_un, mask=mask, other=0.0).to(tl.float32)
-    act = _round(_gelu(g, TANH), out_ptr.dtype.element_ty)  # eager's gelu output rounds to the dtype
-    y = _round(act * u, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)  # exact cast: already rounded
+    act = round_to(_gelu(g, TANH), out_ptr.dtype.element_ty)  # eager's gelu output rounds to the dtype
+    y = round_to(act * u, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)  # exact cast: already rounded
     tl.store(out_ptr + r0 * stride_o0 + r1 * stride_o1 + cols * stride_on, y, mask=mask)
 
 

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 from fusionscope.kernels.dispatch import cdiv, launchable, new_output, pow2, run
-from fusionscope.kernels.rounding import round_to as _round
+from fusionscope.kernels.rounding import round_to
 from torch.library import triton_op
 from triton.language.extra import libdevice
 
@@ -144,8 +144,8 @@ def _rotate_heads(
         mask_p = (h < H) & (dp < PASS)
         xp = tl.load(x_row + (dp + 2 * HALF) * stride_xd, mask=mask_p).to(tl.float32)
     # HF order: (x * cos) + (rotate_half(x) * sin), each product and the sum rounded to the dtype
-    o1 = _round(_round(_mul(x1, c1, MUL_RN), dtype) - _round(_mul(x2, s1, MUL_RN), dtype), dtype)
-    o2 = _round(_round(_mul(x2, c2, MUL_RN), dtype) + _round(_mul(x1, s2, MUL_RN), dtype), dtype)
+    o1 = round_to(round_to(_mul(x1, c1, MUL_RN), dtype) - round_to(_mul(x2, s1, MUL_RN), dtype), dtype)
+    o2 = round_to(round_to(_mul(x2, c2, MUL_RN), dtype) + round_to(_mul(x1, s2, MUL_RN), dtype), dtype)
     tl.store(o_row + d * stride_od, o1.to(dtype), mask=mask)
     tl.store(o_row + (d + HALF) * stride_od, o2.to(dtype), mask=mask)
     if HAS_PASS:

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 from fusionscope.kernels.dispatch import Tunables, cdiv, launchable, new_output, pow2, run
-from fusionscope.kernels.rounding import round_to as _round
+from fusionscope.kernels.rounding import round_to
 from torch.library import triton_op
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -70,8 +70,8 @@ def _silu_and_mul_kernel(
     g = tl.load(gate_ptr + r0 * stride_g0 + r1 * stride_g1 + cols * stride_gn, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + r0 * stride_u0 + r1 * stride_u1 + cols * stride_un, mask=mask, other=0.0).to(tl.float32)
     # silu as aten computes it (x / (1 + exp(-x))), rounded to the dtype like eager's silu output
-    act = _round(g / (1.0 + tl.exp(-g)), out_ptr.dtype.element_ty)
-    y = _round(act * u, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)  # exact cast: already rounded
+    act = round_to(g / (1.0 + tl.exp(-g)), out_ptr.dtype.element_ty)
+    y = round_to(act * u, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)  # exact cast: already rounded
     tl.store(out_ptr + r0 * stride_o0 + r1 * stride_o1 + cols * stride_on, y, mask=mask)
 
 
@@ -82,8 +82,8 @@ def _silu_and_mul_flat_kernel(gate_ptr, up_ptr, out_ptr, numel, BLOCK: tl.conste
     mask = offs < numel
     g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    act = _round(g / (1.0 + tl.exp(-g)), out_ptr.dtype.element_ty)
-    y = _round(act * u, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)
+    act = round_to(g / (1.0 + tl.exp(-g)), out_ptr.dtype.element_ty)
+    y = round_to(act * u, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs, y, mask=mask)
 
 
