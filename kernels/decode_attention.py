@@ -151,6 +151,9 @@ def _decode_attention_kernel(
     k_base = k_ptr + b * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + b * stride_vb + kvh.to(tl.int64) * stride_vh
     n = tl.arange(0, BLOCK_N)
+    # fp32 whatever the launcher passed: Inductor hands a Python float over as fp64, which would turn the loop's
+    # running max into fp64 (a Triton compile error under torch.compile)
+    qk_scale = tl.cast(qk_scale, tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)

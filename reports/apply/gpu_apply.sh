@@ -34,6 +34,8 @@ for one in ${set_name//,/ }; do
     graphsqwen) runs+=("qwen2.5-7b --prompt-len 512 --decode-steps 64 --repeats 3 --graphs --graphs-only --graphs-together") ;;
     graphsgemma) runs+=("gemma-2-2b --prompt-len 512 --decode-steps 64 --repeats 3 --graphs --graphs-only --graphs-together") ;;
     mistral) runs+=("mistral-7b --prompt-len 512 --decode-steps 32 --repeats 3") ;;
+    graphs1bt) runs+=("llama-3.2-1b --prompt-len 128 --decode-steps 16 --repeats 2 --graphs --graphs-only --graphs-together") ;;
+    famphi3) runs+=("tiny-phi3 --prompt-len 64 --decode-steps 8 --repeats 2 --graphs --graphs-only --graphs-together") ;;
     famtiny) runs+=("tiny-phi3 --prompt-len 64 --decode-steps 8 --repeats 2 --graphs --graphs-only --graphs-together"
                     "tiny-neox --prompt-len 64 --decode-steps 8 --repeats 2 --graphs --graphs-only --graphs-together") ;;
     graphsphi3) runs+=("phi-3-mini --prompt-len 512 --decode-steps 64 --repeats 3 --graphs --graphs-only --graphs-together") ;;
