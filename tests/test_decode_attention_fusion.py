@@ -97,7 +97,8 @@ def test_every_decode_step_attends_in_one_launch_and_computes_what_eager_does(ti
     model, ids, ref = tiny
     calls = counted(monkeypatch)
     attention = [m for n, m in model.named_modules() if n.endswith("self_attn")]
-    with patch(model, fusions) as result:
+    with patch(model, fusions, rewrite=False) as result:  # the layout patchers' attention rewrite (graph path:
+        # tests/test_rewrite.py, under a static cache)
         assert len(result.applied["decode_attention"]) == len(attention), result.skipped
         forced, own = graphs.teacher_forced(graphs.StaticDecoder(model, ids, 4), ref)
     assert len(calls) == 2 * 4 * len(attention)  # both passes of 4 decode steps, every layer; no prefill
@@ -122,7 +123,7 @@ def test_soft_capped_attention_is_refused_with_its_reason(tmp_path) -> None:
               "num_key_value_heads": 1, "head_dim": 32, "intermediate_size": 96, "vocab_size": 300}  # fmt: skip
     spec = ModelSpec(name="gemma2-tiny", source="config", config=config)
     workload = build_workload(spec, torch.device("cpu"), torch.float32, prompt_len=4, decode_steps=1)
-    with patch(workload.module, [("decode_attention", ["model.layers.0.self_attn"])]) as result:
+    with patch(workload.module, [("decode_attention", ["model.layers.0.self_attn"])], rewrite=False) as result:
         assert "decode_attention" not in result.applied
         assert "soft-capped" in result.skipped["decode_attention"]
 

@@ -25,12 +25,14 @@ FAMILIES = ["tiny-llama", "tiny-phi3", "tiny-olmo2", "tiny-qwen3", "tiny-neox", 
 BIND = {name for name, module in fusion_modules().items() if hasattr(module, "bind")}
 # words of the layout patchers' refusals: a graph patch never gives up because of a forward's source
 LAYOUT_WORDS = ("layout", "differs from", "is not a layout", "Llama-shape")
-KERNELS = ["rms_norm", "add_rms_norm", "silu_and_mul", "gelu_and_mul", "rope", "linear_act", "add_layer_norm"]
+KERNELS = ["rms_norm", "add_rms_norm", "silu_and_mul", "gelu_and_mul", "rope", "linear_act", "add_layer_norm",
+           "decode_attention"]  # fmt: skip
 
 
 def test_the_catalogue_binds_the_documented_fusions() -> None:
-    assert {"rms_norm", "add_rms_norm", "silu_and_mul", "gelu_and_mul", "rope", "linear_act", "add_layer_norm"} <= BIND
-    assert not {"qkv", "gate_up", "decode_attention"} & BIND  # these keep their layout patchers
+    assert {"rms_norm", "add_rms_norm", "silu_and_mul", "gelu_and_mul", "rope", "linear_act", "add_layer_norm",
+            "decode_attention"} <= BIND  # fmt: skip
+    assert not {"qkv", "gate_up"} & BIND  # these keep their layout patchers
 
 
 # ------------------------------------------------------------------------------------------------------------ helpers
@@ -125,6 +127,10 @@ def test_graph_patch_covers_every_bind_site_on_each_family(family: str) -> None:
     with patch(model) as r:
         assert r.capture == ""
         assert_consistent(r)
+        # decode_attention reads a static cache; under the DynamicCache of this run it is skipped, for that reason
+        if "decode_attention" in found:
+            assert "static cache" in r.skipped["decode_attention"], r.skipped
+            found = found - {"decode_attention"}
         assert set(r.rewritten) == found
         for fusion in sorted(found):
             skipped = r.skipped_paths.get(fusion, {})
@@ -142,6 +148,42 @@ def test_graph_patch_covers_every_bind_site_on_each_family(family: str) -> None:
     prefill, decode, _ = prefill_and_decode(model, ids, token)
     assert torch.equal(prefill, ref_prefill)
     assert torch.equal(decode, ref_decode)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_bind_fusion_including_decode_attention_on_a_static_cache(family: str, calls) -> None:
+    """Under transformers' static cache (what `apply --graphs` runs) decode_attention joins the graph patch too: every
+    fusion the finder found that can bind is patched at every site, one decode_attention launch per layer and decode
+    step, and the prompt and decode logits are those of the unpatched model on the same cache."""
+    from dataclasses import replace
+
+    from fusionscope import capture
+    from fusionscope.apply import numerics
+
+    torch.manual_seed(0)
+    workload = build_workload(resolve_model(family), torch.device("cpu"), torch.float32, prompt_len=8,
+                              decode_steps=2, cache="static")  # fmt: skip
+    model = workload.module.eval()
+    ids = workload.inputs[0]
+    ref = numerics.reference(model, ids, 2, cache="static")
+    sites = find_sites(model)
+    found = BIND & set(sites)
+    assert "decode_attention" in found, sites
+
+    def example(_model: nn.Module) -> None:
+        capture.run_sequence(replace(workload, decode_steps=1), lambda _phase, fn: fn())
+
+    where = [{"fusion": f, "module_paths": sites[f]} for f in found]
+    with patch(model, where, example=example) as r:
+        assert r.capture == "" and r.skipped == {}, (r.capture, r.skipped)
+        assert set(r.rewritten) == found
+        assert all(set(r.applied[f]) == set(sites[f]) for f in found)
+        calls.clear()
+        test = numerics.reference(model, ids, 2, cache="static")
+        layers = len(sites["decode_attention"])
+        assert calls["decode_attention"] == 2 * layers  # two decode steps, one launch per attention layer
+    fig = numerics.compare(test, ref)
+    assert fig["max_abs"] <= 1e-4 * max(1.0, fig["ref_scale"]) and fig["tokens_equal"] == 1.0, fig
 
 
 def test_rewritten_llama_graph_calls_the_kernels(calls: collections.Counter) -> None:
@@ -187,7 +229,9 @@ def test_patch_without_where_patches_every_fusion_found() -> None:
     with torch.inference_mode():
         ref = model(ids).logits
     with patch(model) as r:  # no `where`: the finder runs on the model itself
-        assert r.skipped == {}, r.skipped
+        # the default example decodes on a DynamicCache, which decode_attention does not read (a static cache does)
+        assert set(r.skipped) == {"decode_attention"} and "static cache" in r.skipped["decode_attention"], r.skipped
+        del sites["decode_attention"]
         assert {f: sorted(p) for f, p in r.applied.items()} == {f: sorted(p) for f, p in sites.items()}
         with torch.inference_mode():
             assert_logits_close(model(ids).logits, ref)
@@ -382,3 +426,23 @@ def test_patching_many_models_of_one_class_keeps_capturing(calls: collections.Co
             calls.clear()
             model(x)
             assert calls["rms_norm"] == 1, f"model {i}"
+
+
+# ------------------------------------------------------------------------------------------------------- real weights
+
+
+def test_smollm2_greedy_tokens_are_the_unpatched_models_for_32_tokens(smollm2: tuple) -> None:
+    """Real weights (SmolLM2-135M, fp32): with every fusion the finder finds patched — the bindable ones on the
+    captured graph, the kernels in the interpreter — greedy decoding of an English prompt picks the same 32 tokens as
+    the unpatched model."""
+    from fusionscope.apply import numerics
+
+    model, tokenizer = smollm2
+    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    ref = numerics.reference(model, ids, decode_steps=31)
+    with patch(model) as r:
+        assert r.capture == "" and {"add_rms_norm", "rms_norm", "silu_and_mul", "rope"} <= set(r.rewritten), r
+        assert len(r.applied["add_rms_norm"]) == 60  # 30 layers × 2, less the first input norm, plus the final one
+        fused = numerics.reference(model, ids, decode_steps=31)
+    assert ref.tokens.shape[1] == 32
+    assert torch.equal(fused.tokens, ref.tokens), (tokenizer.decode(fused.tokens[0]), tokenizer.decode(ref.tokens[0]))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -336,7 +337,7 @@ def run_graphs(workload: Any, fusions_by_variant: dict[str, list[str]], enter: C
 
         note("fused + compile: the fusions rewritten into the graph torch.compile (reduce-overhead) compiles")
         try:
-            forward, rewriter = rewrite.compile_fused(model, fused_sites)
+            forward, rewritten = rewrite.compile_fused(model, fused_sites)
             fused_peer = StaticDecoder(model, ids, steps, forward=forward)
             t0 = time.perf_counter()
             fused_peer.prefill()
@@ -344,10 +345,13 @@ def run_graphs(workload: Any, fusions_by_variant: dict[str, list[str]], enter: C
                 fused_peer.step()
             torch.cuda.synchronize()
             fused_compile_seconds = time.perf_counter() - t0
-            fused_compile_fusions = sorted(f for f, paths in rewriter.results.items() if "" in paths.values())
+            fused_compile_fusions = sorted(f for f, paths in rewritten.items() if "" in paths.values())
             makers[FUSED_COMPILE] = (nullcontext, lambda: fused_peer, False)
         except Exception as exc:  # reported, not fatal
-            fused_compile_failed = f"fused + compile failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            cause = f"{lines[0]} … {lines[-1]}" if len(lines) > 1 else (lines[0] if lines else "")
+            fused_compile_failed = f"fused + compile failed: {type(exc).__name__}: {cause}"
+            traceback.print_exc()  # the whole cause, for the run's log
     with liger_copy(model) if gpu else nullcontext((None, "not run on a CPU")) as (liger_model, liger_note):
         if liger_model is not None:
             makers[LIGER] = (nullcontext, lambda: StaticDecoder(liger_model, ids, steps), True)

@@ -128,12 +128,17 @@ def module_path(node: fx.Node, prefix: str) -> str:
     return ".".join(p for p in (prefix, path) if p) or prefix
 
 
-def trace_dataflow(gm: fx.GraphModule, example_inputs: list[Any], prefix: str) -> Traced:
-    """Run `gm` once on fake copies of `example_inputs` under the recorder; the dataflow of its aten ops."""
+def fake_inputs(example_inputs: list[Any]) -> tuple[Any, list[Any]]:
+    """(a fake mode, fake copies of `example_inputs`): shapes, strides and dtypes, no data held."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    inputs = [_fake(fake_mode, x) for x in example_inputs]
+    return fake_mode, [_fake(fake_mode, x) for x in example_inputs]
+
+
+def trace_dataflow(gm: fx.GraphModule, fakes: tuple[Any, list[Any]], prefix: str) -> Traced:
+    """Run `gm` once on the fake inputs `fakes` (`fake_inputs`) under the recorder; the dataflow of its aten ops."""
+    fake_mode, inputs = fakes
     recorder = _FxRecorder()
     modules = {n: module_path(n, prefix) for n in gm.graph.nodes}
 
@@ -283,42 +288,76 @@ def drop_dead(gm: fx.GraphModule, traced: Traced) -> None:
             gm.graph.erase_node(node)
 
 
+def rewrite_graph(gm: fx.GraphModule, fakes: tuple[Any, list[Any]], prefix: str, sites: dict[str, list[str]],
+                  results: dict[str, dict[str, str]]) -> None:  # fmt: skip
+    """Replace, in `gm`, the groups the finder matches on its dataflow at `sites` ({fusion: module paths}; a fusion
+    with no paths: every site) with their kernels; `results[fusion][path]` gets '' (patched) or why not (a site
+    patched in one graph stays reported as patched)."""
+    from fusionscope.apply.patching import fusion_modules
+    from fusionscope.fusions import find_matches
+
+    traced = trace_dataflow(gm, fakes, prefix)
+    graph = Graph(traced.nodes)
+    modules = fusion_modules()
+    taken: dict[fx.Node, fx.Node | None] = {}
+    matches = [m for m in find_matches(graph) if not m.rejected and m.fusion in sites]
+    for fusion in modules:  # catalogue order, as the layout patchers
+        for match in (m for m in matches if m.fusion == fusion):
+            if sites[fusion] and match.anchor_module not in sites[fusion]:
+                continue
+            seen = results.setdefault(fusion, {})
+            binding = modules[fusion].bind(graph, match)
+            why = binding if isinstance(binding, str) else replace_group(gm, traced, binding, taken)
+            if not seen.get(match.anchor_module):
+                seen[match.anchor_module] = why
+    drop_dead(gm, traced)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return fx.GraphModule(gm, graph)
+
+
 @dataclass
 class Rewriter:
-    """The dynamo backend: records each captured graph's dataflow, finds the catalogue's groups on it, replaces those
-    of `sites` ({fusion: module paths}; a fusion with no paths: every site) with their kernels, and hands the graph to
-    `then` (None: run it as it is). `results[fusion][path]` collects '' (patched) or why not, over every graph."""
+    """The dynamo backend of one captured module. Each graph dynamo captures (one per guard set: prefill, decode, …)
+    is kept as traced; what runs is its copy rewritten for the sites patched *now* (`active`, set by `install` while
+    a patch is on), made on the first call under each set of sites and kept. So entering a patch with other fusions
+    (apply enters one per fusion, per check, per timed round) costs a rewrite, never another trace by dynamo.
+    `results[sites][fusion][path]`: '' (patched) or why not, per set of sites."""
 
-    sites: dict[str, list[str]]
     prefix: str = ""
-    then: Callable[[fx.GraphModule, list[Any]], Callable[..., Any]] | None = None
-    results: dict[str, dict[str, str]] = field(default_factory=dict)
+    active: dict[str, list[str]] = field(default_factory=dict)
+    results: dict[tuple, dict[str, dict[str, str]]] = field(default_factory=dict)
     graphs: int = 0
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        from fusionscope.apply.patching import fusion_modules
-        from fusionscope.fusions import find_matches
+    @property
+    def key(self) -> tuple:
+        return sites_key(self.active)
 
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         self.graphs += 1
-        traced = trace_dataflow(gm, example_inputs, self.prefix)
-        graph = Graph(traced.nodes)
-        modules = fusion_modules()
-        taken: dict[fx.Node, fx.Node | None] = {}
-        matches = [m for m in find_matches(graph) if not m.rejected and m.fusion in self.sites]
-        for fusion in modules:  # catalogue order, as the layout patchers
-            for match in (m for m in matches if m.fusion == fusion):
-                paths = self.sites[fusion]
-                if paths and match.anchor_module not in paths:
-                    continue
-                seen = self.results.setdefault(fusion, {})
-                binding = modules[fusion].bind(graph, match)
-                why = binding if isinstance(binding, str) else replace_group(gm, traced, binding, taken)
-                if not seen.get(match.anchor_module):  # a site patched in one graph stays patched
-                    seen[match.anchor_module] = why
-        drop_dead(gm, traced)
-        gm.graph.lint()
-        gm.recompile()
-        return self.then(gm, example_inputs) if self.then is not None else gm.forward
+        fakes = fake_inputs(example_inputs)
+        variants: dict[tuple, Callable[..., Any]] = {}
+
+        def run(*args: Any) -> Any:
+            key = self.key
+            forward = variants.get(key)
+            if forward is None:
+                rewritten = _copy(gm)
+                rewrite_graph(rewritten, fakes, self.prefix, self.active, self.results.setdefault(key, {}))
+                forward = variants[key] = rewritten.forward
+            return forward(*args)
+
+        return run
+
+
+def sites_key(sites: dict[str, list[str]]) -> tuple:
+    return tuple(sorted((f, tuple(p)) for f, p in sites.items()))
 
 
 # ------------------------------------------------------------------------------------------------------------ install
@@ -343,9 +382,9 @@ def captured_module(model: nn.Module, paths: Iterable[str]) -> str:
     return ".".join(common)
 
 
-# module -> {sites: (its rewriter, the compiled function of its forward)}; weak, so a dropped model is freed
+# module -> (its rewriter, the compiled function of its forward); weak, so a dropped model is freed
 _REWRITERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-RECOMPILE_LIMIT = 64  # graphs per forward while a patch is on: prefill and decode shapes of several fusion sets
+RECOMPILE_LIMIT = 64  # graphs per forward while a patch is on: prefill and decode shapes, batches, caches
 
 
 def install(patcher: Any, sites: dict[str, list[str]], example: Callable[[nn.Module], Any]) -> dict[str, dict]:
@@ -353,8 +392,8 @@ def install(patcher: Any, sites: dict[str, list[str]], example: Callable[[nn.Mod
     that the first graphs are captured and rewritten now. Returns {fusion: {path: '' or why not}}; raises
     CaptureFailed (the forward left as it was) when the forward cannot be captured whole.
 
-    The rewriter and its compiled forward are kept per (module, sites): entering the same patch again (apply enters
-    one per check and per timed round) reuses the graphs already rewritten, under dynamo's guards."""
+    One rewriter and compiled forward are kept per module (`Rewriter`): entering a patch again, with these or other
+    sites, reuses the graphs dynamo captured, under its guards."""
     import torch._dynamo
 
     path = captured_module(patcher.model, [p for paths in sites.values() for p in paths])
@@ -363,12 +402,12 @@ def install(patcher: Any, sites: dict[str, list[str]], example: Callable[[nn.Mod
     original = module.forward
     if not isinstance(original, types.MethodType):
         raise CaptureFailed(f"{label}'s forward is not a method of the module; nothing to capture")
-    key = tuple(sorted((f, tuple(p)) for f, p in sites.items()))
-    kept = _REWRITERS.setdefault(module, {})
-    if key not in kept:
-        rewriter = Rewriter(sites, prefix=path)
-        kept[key] = rewriter, torch.compile(original.__func__, backend=rewriter, fullgraph=True)
-    rewriter, compiled = kept[key]
+    if module not in _REWRITERS or _REWRITERS[module][0].prefix != path:
+        rewriter = Rewriter(prefix=path)
+        _REWRITERS[module] = rewriter, torch.compile(original.__func__, backend=rewriter, fullgraph=True)
+    rewriter, compiled = _REWRITERS[module]
+    rewriter.active = {f: list(p) for f, p in sites.items()}
+    patcher.on_restore(lambda: setattr(rewriter, "active", {}))
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if self.training:  # the kernels have no backward
@@ -386,13 +425,11 @@ def install(patcher: Any, sites: dict[str, list[str]], example: Callable[[nn.Mod
     try:
         example(patcher.model)
     except torch._dynamo.exc.BackendCompilerFailed as error:
-        kept.pop(key, None)
         raise CaptureFailed(f"rewriting the graph of {label} failed: {_first_line(error.inner_exception)}") from None
     except Exception as error:  # dynamo's refusals (TorchDynamoException, FailOnRecompileLimitHit) and the like
-        kept.pop(key, None)
         raise CaptureFailed(f"{label} ({type(module).__name__}) cannot be captured as one graph: "
                             f"{_first_line(error)}") from None  # fmt: skip
-    return rewriter.results
+    return rewriter.results.get(rewriter.key, {})
 
 
 def _first_line(error: BaseException) -> str:
@@ -403,13 +440,18 @@ def _first_line(error: BaseException) -> str:
 def compile_fused(model: nn.Module, sites: dict[str, list[str]], mode: str | None = "reduce-overhead") -> Any:
     """`model.forward` compiled by Inductor after the rewrite of `sites` ({fusion: paths}): the bundled kernels
     inside torch.compile's graph, as `triton_op`s (`mode` as torch.compile's: "reduce-overhead" adds Inductor's CUDA
-    graphs). Returns (compiled forward, Rewriter): the rewriter's `results` fill in as graphs compile."""
+    graphs). Returns (compiled forward, results): {fusion: {path: '' or why not}}, filled in as graphs compile."""
     from torch._inductor.compile_fx import compile_fx
 
-    patches = {"triton.cudagraphs": True} if mode == "reduce-overhead" else {}
+    # compiled in this process: Inductor's worker processes compile the generated code, which here also holds the
+    # bundled Triton kernels' source, and report a failure there without its cause
+    patches: dict[str, Any] = {"compile_threads": 1}
+    if mode == "reduce-overhead":
+        patches["triton.cudagraphs"] = True
+    results: dict[str, dict[str, str]] = {}
 
-    def inductor(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        rewrite_graph(gm, fake_inputs(example_inputs), "", sites, results)
         return compile_fx(gm, example_inputs, config_patches=patches)
 
-    rewriter = Rewriter(sites, prefix="", then=inductor)
-    return torch.compile(model.forward, backend=rewriter, fullgraph=False, dynamic=False), rewriter
+    return torch.compile(model.forward, backend=backend, fullgraph=False, dynamic=False), results
