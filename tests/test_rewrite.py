@@ -405,11 +405,6 @@ def test_patching_a_second_model_of_the_same_class_still_captures() -> None:
         assert instance_forwards(model) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known limit: compiled entries of one class's forward pile up across freed "
-    "models until dynamo's recompile limit; the patch then falls back to the layout patchers",
-)
 def test_patching_many_models_of_one_class_keeps_capturing(calls: collections.Counter) -> None:
     # A long process (a test session, a sweep) patches model after model; those of one class share their forward's
     # code object, on which dynamo keeps each patch's compiled graphs. More models than the recompile limit allows

@@ -38,10 +38,11 @@ then a decode of any length once dynamo marks it dynamic) costs one capture and 
 
 from __future__ import annotations
 
+import itertools
 import operator
 import re
+import threading
 import types
-import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -322,45 +323,73 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
-@dataclass
-class Rewriter:
-    """The dynamo backend of one captured module. Each graph dynamo captures (one per guard set: prefill, decode, …)
-    is kept as traced; what runs is its copy rewritten for the sites patched *now* (`active`, set by `install` while
-    a patch is on), made on the first call under each set of sites and kept. So entering a patch with other fusions
-    (apply enters one per fusion, per check, per timed round) costs a rewrite, never another trace by dynamo.
-    `results[sites][fusion][path]`: '' (patched) or why not, per set of sites."""
+@dataclass(frozen=True)
+class Patch:
+    """What the patched forward now running asks of the graphs: the sites to patch and the captured module's path (how
+    its graph names modules); `results` collects, over the graphs this patch ran, per site '' (patched) or why not."""
 
-    prefix: str = ""
-    active: dict[str, list[str]] = field(default_factory=dict)
-    results: dict[tuple, dict[str, dict[str, str]]] = field(default_factory=dict)
-    graphs: int = 0
+    sites: dict[str, list[str]]
+    prefix: str
+    results: dict[str, dict[str, str]] = field(default_factory=dict)
+    serial: int = field(default_factory=lambda: next(_serials))
 
     @property
     def key(self) -> tuple:
-        return sites_key(self.active)
+        return self.prefix, tuple(sorted((f, tuple(p)) for f, p in self.sites.items()))
+
+    def merge(self, results: dict[str, dict[str, str]]) -> None:
+        """Add one graph's results: a site patched in any graph counts as patched."""
+        for fusion, paths in results.items():
+            seen = self.results.setdefault(fusion, {})
+            for path, why in paths.items():
+                if seen.get(path) != "":
+                    seen[path] = why
+
+
+_serials = itertools.count()
+_running = threading.local()  # .patch: the Patch of the patched forward on this thread's stack (None outside one)
+
+
+@dataclass
+class _Variant:
+    """One captured graph rewritten for one set of sites: what runs, what the rewrite said, and the patches that
+    already took that in."""
+
+    forward: Callable[..., Any]
+    results: dict[str, dict[str, str]]
+    told: set[int] = field(default_factory=set)
+
+
+class Rewriter:
+    """The dynamo backend, one per process. Each graph dynamo captures (one per guard set: prefill, decode, a
+    batch, …) is kept as traced; what runs is its copy rewritten for the patch whose forward is running
+    (`_running.patch`, set by the forward `install` binds), made on the first call under each set of sites and kept.
+    So entering a patch again, with other fusions or on another model of the same class (apply enters one per fusion,
+    per check, per timed round), costs a rewrite, never another trace: one backend object means dynamo's compiled
+    entries, which it keys on the backend, serve every model whose guards they pass."""
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        self.graphs += 1
         fakes = fake_inputs(example_inputs)
-        variants: dict[tuple, Callable[..., Any]] = {}
+        variants: dict[tuple, _Variant] = {}
 
         def run(*args: Any) -> Any:
-            key = self.key
-            forward = variants.get(key)
-            if forward is None:
-                rewritten = _copy(gm)
-                rewrite_graph(rewritten, fakes, self.prefix, self.active, self.results.setdefault(key, {}))
-                forward = variants[key] = rewritten.forward
-            return forward(*args)
+            patch = _running.patch
+            variant = variants.get(patch.key)
+            if variant is None:
+                rewritten, results = _copy(gm), {}
+                rewrite_graph(rewritten, fakes, patch.prefix, patch.sites, results)
+                variant = variants[patch.key] = _Variant(rewritten.forward, results)
+            if patch.serial not in variant.told:
+                patch.merge(variant.results)
+                variant.told.add(patch.serial)
+            return variant.forward(*args)
 
         return run
 
 
-def sites_key(sites: dict[str, list[str]]) -> tuple:
-    return tuple(sorted((f, tuple(p)) for f, p in sites.items()))
-
-
-# ------------------------------------------------------------------------------------------------------------ install
+REWRITER = Rewriter()
+_COMPILED: dict[Callable[..., Any], Callable[..., Any]] = {}  # a forward function -> it under torch.compile(REWRITER)
+RECOMPILE_LIMIT = 64  # graphs per forward while a patch is on: prefill and decode shapes, batches, caches, models
 
 
 def captured_module(model: nn.Module, paths: Iterable[str]) -> str:
@@ -382,18 +411,10 @@ def captured_module(model: nn.Module, paths: Iterable[str]) -> str:
     return ".".join(common)
 
 
-# module -> (its rewriter, the compiled function of its forward); weak, so a dropped model is freed
-_REWRITERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-RECOMPILE_LIMIT = 64  # graphs per forward while a patch is on: prefill and decode shapes, batches, caches
-
-
 def install(patcher: Any, sites: dict[str, list[str]], example: Callable[[nn.Module], Any]) -> dict[str, dict]:
     """Capture the module holding `sites`, bound on its instance through `patcher`, and run `example(model)` once so
     that the first graphs are captured and rewritten now. Returns {fusion: {path: '' or why not}}; raises
-    CaptureFailed (the forward left as it was) when the forward cannot be captured whole.
-
-    One rewriter and compiled forward are kept per module (`Rewriter`): entering a patch again, with these or other
-    sites, reuses the graphs dynamo captured, under its guards."""
+    CaptureFailed (the forward left as it was) when the forward cannot be captured whole."""
     import torch._dynamo
 
     path = captured_module(patcher.model, [p for paths in sites.values() for p in paths])
@@ -402,17 +423,21 @@ def install(patcher: Any, sites: dict[str, list[str]], example: Callable[[nn.Mod
     original = module.forward
     if not isinstance(original, types.MethodType):
         raise CaptureFailed(f"{label}'s forward is not a method of the module; nothing to capture")
-    if module not in _REWRITERS or _REWRITERS[module][0].prefix != path:
-        rewriter = Rewriter(prefix=path)
-        _REWRITERS[module] = rewriter, torch.compile(original.__func__, backend=rewriter, fullgraph=True)
-    rewriter, compiled = _REWRITERS[module]
-    rewriter.active = {f: list(p) for f, p in sites.items()}
-    patcher.on_restore(lambda: setattr(rewriter, "active", {}))
+    function = original.__func__
+    if function not in _COMPILED:
+        _COMPILED[function] = torch.compile(function, backend=REWRITER, fullgraph=True)
+    compiled = _COMPILED[function]
+    patch = Patch({f: list(p) for f, p in sites.items()}, path)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if self.training:  # the kernels have no backward
             return original(*args, **kwargs)
-        return compiled(self, *args, **kwargs)
+        outer = getattr(_running, "patch", None)
+        _running.patch = patch
+        try:
+            return compiled(self, *args, **kwargs)
+        finally:
+            _running.patch = outer
 
     patcher.set_forward(module, forward, OWNER)
     # while the patch is on: room for its graphs, and constants (ε) kept constants — a float attribute that differs
@@ -429,7 +454,7 @@ def install(patcher: Any, sites: dict[str, list[str]], example: Callable[[nn.Mod
     except Exception as error:  # dynamo's refusals (TorchDynamoException, FailOnRecompileLimitHit) and the like
         raise CaptureFailed(f"{label} ({type(module).__name__}) cannot be captured as one graph: "
                             f"{_first_line(error)}") from None  # fmt: skip
-    return rewriter.results.get(rewriter.key, {})
+    return patch.results
 
 
 def _first_line(error: BaseException) -> str:

@@ -42,6 +42,7 @@ for one in ${set_name//,/ }; do
     graphsolmo2) runs+=("olmo-2-7b --prompt-len 512 --decode-steps 64 --repeats 3 --graphs --graphs-only --graphs-together") ;;
     graphsqwen3) runs+=("qwen3-8b --prompt-len 512 --decode-steps 64 --repeats 3 --graphs --graphs-only --graphs-together") ;;
     graphsneox) runs+=("pythia-6.9b --prompt-len 512 --decode-steps 64 --repeats 3 --graphs --graphs-only --graphs-together") ;;
+    graphsstarcoder2) runs+=("starcoder2-7b --prompt-len 512 --decode-steps 64 --repeats 3 --graphs --graphs-only --graphs-together") ;;
     graphsllama) runs+=("llama-3.1-8b --prompt-len 512 --decode-steps 64 --repeats 3 --graphs --graphs-only --graphs-together") ;;
     tests|host|silu|w4a16|w4a16apply|dabench|agree|nproc1) ;;
     *) echo "unknown set $one"; exit 2 ;;
