@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 KEY = "add_layer_norm"
 KERNEL = "add_layer_norm"
-FAMILIES = ("gpt2", "bert")
+FAMILIES = ("gpt2", "bert", "gpt_neox", "starcoder2")
 TITLE = "residual add + LayerNorm → one kernel, two outputs"
 LAYER_NORMS = ("aten::native_layer_norm", "aten::layer_norm")
 

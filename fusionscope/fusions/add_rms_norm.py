@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 KEY = "add_rms_norm"
 KERNEL = "add_rms_norm"
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo2")
 TITLE = "residual add + RMSNorm → one kernel, two outputs"
 
 

@@ -42,7 +42,17 @@ if TYPE_CHECKING:
 
 KEY = "decode_attention"
 KERNEL = "decode_attention"
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")  # not Gemma-2: soft-capping
+FAMILIES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "phi3",
+    "olmo2",
+    "gpt_neox",
+    "starcoder2",
+)  # not Gemma-2: soft-capping
 TITLE = "one query token's attention over the KV cache (GQA, no repeat_kv, no mask) → one kernel"
 
 _REPEAT_KV = ("aten::unsqueeze", "aten::expand", "aten::clone", "aten::_unsafe_view", "aten::reshape", "aten::view")

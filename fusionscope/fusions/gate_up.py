@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 KEY = "gate_up"
 KERNEL = "fuse_linears"
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo2")
 TITLE = "gate and up projections on one input → one GEMM"
 
 PROJECTION = re.compile(r"^(?P<parent>.+\.mlp)\.(?:gate|up)_proj$")

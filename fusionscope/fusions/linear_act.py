@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 KEY = "linear_act"
 KERNEL = "linear_act"
-FAMILIES = ("gpt2", "bert")
+FAMILIES = ("gpt2", "bert", "gpt_neox", "starcoder2")
 TITLE = "GEMM + bias + activation → one kernel (epilogue)"
 GEMMS = ("aten::addmm", "aten::mm")
 SINGLE = ("aten::gelu", "aten::relu", "aten::silu")

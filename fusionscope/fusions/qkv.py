@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 KEY = "qkv"
 KERNEL = "fuse_linears"
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo2", "starcoder2")
 TITLE = "q/k/v projections on one input → one GEMM"
 
 PROJECTION = re.compile(r"^(?P<parent>.+\.self_attn)\.[^.]+_proj$")

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 KEY = "rms_norm"
 KERNEL = "rms_norm"
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo2")
 TITLE = "RMSNorm chain → one kernel"
 
 

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 KEY = "rope"
 KERNEL = "rope_and_cache"
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo2", "gpt_neox", "starcoder2")
 TITLE = "rotary embedding on q and k + KV-cache write → one kernel"
 
 

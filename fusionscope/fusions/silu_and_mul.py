@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 KEY = "silu_and_mul"
 KERNEL = "silu_and_mul"
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2")
 TITLE = "SiLU(gate) × up → one kernel"
 
 
