@@ -641,7 +641,8 @@ def print_graphs(result: dict) -> None:
     out.print(f"fused + graph vs graph alone: measured {fmt(result.get('fused_vs_graph'), '.3f')}×, predicted "
               f"{fmt(pred.get('fused_graph_vs_graph'), '.3f')}×, error {pct(result.get('error_fused_vs_graph'))}; "
               f"fused + graph vs torch.compile {fmt(result.get('fused_vs_compile'), '.3f')}× "
-              f"(compile {fmt(result.get('compile_seconds'), '.0f')} s)")  # fmt: skip
+              f"(compile {fmt(result.get('compile_seconds'), '.0f')} s); fused + compile vs torch.compile "
+              f"{fmt(result.get('fused_compile_vs_compile'), '.3f')}×")  # fmt: skip
     out.print("predicted ms: the profiled GPU time per step (less the fusions' saving) + kernels × "
               f"{fmt(pred.get('graph_gap_us'), '.2f')} µs, the device's idle time between two kernels of a "
               "replayed graph; err: measured ÷ predicted − 1; GPU ms, kernels, gap µs: one profiled replay",

@@ -168,7 +168,8 @@ def graphs_table(graphs: Mapping[str, Any]) -> str:
         f"fused + graph vs graph alone: measured {_num(graphs.get('fused_vs_graph'), '.3f')}×, predicted "
         f"{_num(pred.get('fused_graph_vs_graph'), '.3f')}×, error {_pct(graphs.get('error_fused_vs_graph'))}; "
         f"fused + graph vs torch.compile {_num(graphs.get('fused_vs_compile'), '.3f')}× (compile "
-        f"{_num(graphs.get('compile_seconds'), '.0f')} s)."
+        f"{_num(graphs.get('compile_seconds'), '.0f')} s); fused + compile vs torch.compile "
+        f"{_num(graphs.get('fused_compile_vs_compile'), '.3f')}×."
     )
     note = f'<p class="note">{html.escape(lines)}</p>'
     from fusionscope.apply.step_drift import drift_line
