@@ -101,9 +101,13 @@ def test_page_is_quiet_and_offline(report: LoadedReport) -> None:
 
 
 def test_escaped_names_read_correctly(report: LoadedReport) -> None:
-    """Kernel names escaped in the HTML read back as the real template names, in the table and in plotly hovers."""
+    """Kernel names escaped in the HTML read back as the real template names: the table shows the short name with the
+    full one as its tooltip, and plotly hovers hold the full one."""
+    from fusionscope.kernel_names import short_kernel_name
+
     first = report.page.locator("#table-decode tbody tr").first.locator("td.name")
-    assert first.text_content() == CUTLASS
+    assert first.text_content() == short_kernel_name(CUTLASS) != CUTLASS
+    assert CUTLASS in [first.get_attribute("title"), first.locator("[title]").first.get_attribute("title")]
     # The biggest dot is the top kernel (area ∝ time); move the mouse onto it like a reader would.
     report.page.locator("#fig-roofline-decode").scroll_into_view_if_needed()
     x, y = report.page.evaluate(
