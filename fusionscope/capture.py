@@ -25,12 +25,10 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from fusionscope.markers import MODULE_PREFIX, PHASE_PREFIX, STEP_PREFIX
 from fusionscope.models import Workload
 from fusionscope.static_cache import empty
 
-STEP_PREFIX = "ProfilerStep#"
-PHASE_PREFIX = "fusionscope.phase:"
-MODULE_PREFIX = "nn.Module: "
 PREFILL_REPEATS = 3  # prefill is one forward; repeat it so its per-step figure is a median, not one sample
 
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from statistics import median
 
-from fusionscope.capture import STEP_PREFIX
+from fusionscope.markers import STEP_PREFIX
 from fusionscope.trace_fields import to_float
 
 NCCL_KERNEL_PREFIXES = ("ncclKernel", "ncclDevKernel")

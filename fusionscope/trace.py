@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from fusionscope.capture import MODULE_PREFIX, PHASE_PREFIX, STEP_PREFIX
 from fusionscope.errors import UsageError
+from fusionscope.markers import MODULE_PREFIX, PHASE_PREFIX, STEP_PREFIX
 from fusionscope.trace_fields import to_int
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
