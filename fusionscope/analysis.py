@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 
 from fusionscope import roofline
+from fusionscope.gpu_replay import busy_us
 from fusionscope.ranks import NCCL_KERNEL_PREFIXES
 from fusionscope.trace import Timeline
 
@@ -119,20 +120,6 @@ def cost_coverage(kernels: pd.DataFrame) -> float | None:
     if not total:
         return None
     return float(kernels.loc[kernels["bytes"].notna(), "dur_us"].sum() / total)
-
-
-def busy_us(starts: np.ndarray, ends: np.ndarray) -> float:
-    """Length of the union of [start, end) intervals: GPU busy time with overlapping streams counted once."""
-    if len(starts) == 0:
-        return 0.0
-    order = np.argsort(starts)
-    s, e = starts[order], ends[order]
-    running_end = np.maximum.accumulate(e)
-    new_block = np.r_[True, s[1:] > running_end[:-1]]
-    block_ids = np.cumsum(new_block) - 1
-    block_start = s[new_block]
-    block_end = pd.Series(running_end).groupby(block_ids).max().to_numpy()
-    return float((block_end - block_start).sum())
 
 
 def module_pattern(path: str) -> str:

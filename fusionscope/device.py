@@ -276,7 +276,7 @@ def _graph_gap_us(kernels: int = 256) -> float | None:
     to back, one replay profiled, (span − busy) ÷ gaps. A graph takes the host out of a step but not this: a decode
     step of ~500 kernels pays it ~500 times, so the step model adds it per kernel to a graph's GPU time."""
     try:
-        from fusionscope.apply.replay import profile_gpu, replay_figures
+        from fusionscope.gpu_replay import profile_gpu, replay_figures
 
         x = torch.zeros(1, device="cuda")
         stream = torch.cuda.Stream()

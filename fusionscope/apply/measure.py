@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from fusionscope import capture
-from fusionscope.analysis import busy_us
+from fusionscope.gpu_replay import busy_us
 from fusionscope.models import Workload
 
 # Trace categories of the host calls that launch kernels: the runtime API (aten's kernels) and the driver API
