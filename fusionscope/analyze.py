@@ -54,7 +54,6 @@ TRACE_PHASE = "trace"  # the one phase of a trace without fusionscope.phase rang
 TRACE_COPY = "trace.json.gz"  # the run folder's copy, named as `profile` names its trace
 CPU_DEVICE = "cpu"  # --device cpu: this machine's CPU roofs (measured on first use, as `profile` does)
 EVENT_CATS = ("cpu_op", "kernel")
-NO_ROOF_COLUMNS = ("peak_tflops", "attainable_tflops", "frac_bandwidth", "frac_compute", "achieved_frac")
 
 MISSING_UNPROFILED_GPU = "unprofiled step times (the regime is judged against the profiled step)"
 MISSING_UNPROFILED_CPU = "unprofiled step times (the figures are the profiled step's)"
@@ -439,28 +438,10 @@ def cached_roofs(name: str, kind: str) -> dict | None:
     return roofs
 
 
-def peak_tflops(roofs: dict) -> dict[str, float]:
-    """Peaks by dtype as `DeviceCeilings.peak_tflops` gives them: fp32 kernels on TF32 only where this process
-    enabled TF32 matmuls (a trace does not record whether its program did)."""
-    import torch
-
-    peaks = {k: float(v) for k, v in (roofs.get("tflops") or {}).items() if v}
-    if torch.backends.cuda.matmul.allow_tf32 and peaks.get("tf32"):
-        peaks["float32"] = peaks["tf32"]
-    return peaks
-
-
 def classify(kernels: pd.DataFrame, roofs: dict | None) -> pd.DataFrame:
-    """`analysis.classify` against the roofs; without roofs only the 10 µs rule is known, so a kernel is `latency`
-    under it and `unmodeled` otherwise, and the fractions of roof are NaN (intensity and achieved rates stay)."""
-    if roofs is not None:
-        return analysis.classify(kernels, float(roofs["copy_gbps"]), peak_tflops(roofs))
-    out = analysis.classify(kernels, 1.0, {"float32": 1.0})
-    for col in NO_ROOF_COLUMNS:
-        out[col] = np.nan
-    short = pd.to_numeric(out["dur_us"], errors="coerce") < roofline.LATENCY_US
-    out["bound"] = np.where(short, "latency", "unmodeled").astype(object)
-    return out
+    """The kernel table classified against the roofs, or without roofs by the 10 µs rule alone
+    (`roofline.classify_against`)."""
+    return roofline.classify_against(kernels, roofs)
 
 
 def summarize(facts: TraceFacts, name: str, timeline: Timeline, kernels: pd.DataFrame, roofs: dict | None,

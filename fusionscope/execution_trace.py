@@ -21,7 +21,7 @@ from fusionscope.dataflow import LEAF
 from fusionscope.errors import UsageError
 from fusionscope.op_outputs import short_name
 from fusionscope.order_graph import BASIS_EXECUTION_TRACE, dataflow_table, tensor_inputs
-from fusionscope.roofline import _ELEMENTWISE
+from fusionscope.roofline.elementwise import _ELEMENTWISE
 
 ET_SUFFIXES = (".et.json", ".et.json.gz")  # `<trace name>.et.json[.gz]` beside the trace is found on its own
 

@@ -16,19 +16,17 @@ from __future__ import annotations
 import math
 from functools import cache
 
-from fusionscope.roofline import (
-    _DEFAULT_FLOAT,
-    _ELEMENTWISE,
+from fusionscope.roofline.args import (
     _T,
     _Args,
     _broadcast,
-    _kind,
     _parse_int,
     _parse_int_list,
     _result_dtype,
     _shape,
-    dtype_name,
 )
+from fusionscope.roofline.dtypes import _DEFAULT_FLOAT, _kind, dtype_name
+from fusionscope.roofline.elementwise import _ELEMENTWISE
 
 Sig = tuple[tuple[int, ...], str | None]
 

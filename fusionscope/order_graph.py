@@ -38,7 +38,8 @@ import pandas as pd
 
 from fusionscope.dataflow import LEAF, NODE_COLUMNS, VIEW_LIKE_OPS
 from fusionscope.op_outputs import Arguments, Sig, op_outputs, short_name
-from fusionscope.roofline import _ELEMENTWISE, dtype_name
+from fusionscope.roofline.dtypes import dtype_name
+from fusionscope.roofline.elementwise import _ELEMENTWISE
 
 BASIS_DATAFLOW = "dataflow"
 BASIS_ORDER = "op order"
@@ -320,7 +321,7 @@ def node_ops(ops: pd.DataFrame, device_kind: str) -> pd.DataFrame:
 
 
 def _size(concrete: object) -> tuple[int, ...] | None:
-    from fusionscope.roofline import _parse_int_list
+    from fusionscope.roofline.args import _parse_int_list
 
     if isinstance(concrete, list | tuple) and len(concrete) > 1:
         size = _parse_int_list(concrete[1])

@@ -10,13 +10,14 @@ durations replace the eager ones before the kernels are classified against the r
 Why the time between kernels is its own figure: a graph removes the host, not the GPU's own cost of starting each
 kernel. A step of 500 kernels that each leave the GPU idle for ~2 µs between them loses a millisecond that no kernel
 duration shows; `gap_us_per_kernel` is that cost, what fewer kernels save under a graph.
+
+Profiling one call and a replay's totals are `fusionscope.gpu_replay`'s (below the roofs, which measure with them
+too); what this module adds is the eager step's costed kernels, matched to the replay's and classified.
 """
 
 from __future__ import annotations
 
 import difflib
-import gzip
-import json
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -25,55 +26,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+from fusionscope.gpu_replay import GPU_CATS, gpu_events, profile_gpu, replay_figures
+from fusionscope.roofline import classify_against
+
+__all__ = ["GPU_CATS", "TOP_ROWS", "aligned", "breakdown", "gpu_events", "profile_eager_kernels", "profile_gpu",
+           "replay_figures", "replay_profile"]  # fmt: skip
+
 TOP_ROWS = 25  # rows of the per-kernel breakdown kept in summary.json (the rest summed as one row)
-
-
-def gpu_events(trace_path: Path) -> pd.DataFrame:
-    """The GPU work items of a Chrome trace (kernels, copies, memsets), in start order: name, cat, ts_us, dur_us."""
-    opener = gzip.open if trace_path.suffix == ".gz" else open
-    with opener(trace_path, "rt", encoding="utf-8") as f:
-        doc = json.load(f)
-    events = doc.get("traceEvents", doc) if isinstance(doc, dict) else doc
-    rows = [(e.get("name", ""), e["cat"], float(e["ts"]), float(e.get("dur", 0.0)))
-            for e in events if isinstance(e, dict) and e.get("ph") == "X" and e.get("cat") in GPU_CATS]  # fmt: skip
-    frame = pd.DataFrame(rows, columns=["name", "cat", "ts_us", "dur_us"])
-    return frame.sort_values("ts_us", kind="stable").reset_index(drop=True)
-
-
-def replay_figures(events: pd.DataFrame) -> dict[str, Any]:
-    """One replay's totals: kernels (and copies/memsets) per step, GPU busy time (the union of their intervals), the
-    span from the first start to the last end, and the idle time inside that span per kernel."""
-    from fusionscope.analysis import busy_us
-
-    if events.empty:
-        return {"kernels": 0, "copies": 0, "gpu_busy_ms": 0.0, "span_ms": 0.0, "gap_us_per_kernel": None}
-    starts = events["ts_us"].to_numpy(dtype=float)
-    ends = starts + events["dur_us"].to_numpy(dtype=float)
-    busy = busy_us(starts, ends)
-    span = float(ends.max() - starts.min())
-    items = len(events)
-    return {
-        "kernels": int((events["cat"] == "kernel").sum()),
-        "copies": int((events["cat"] != "kernel").sum()),
-        "gpu_busy_ms": busy / 1e3,
-        "span_ms": span / 1e3,
-        "gap_us_per_kernel": (span - busy) / max(items - 1, 1),
-    }
-
-
-def profile_gpu(run: Callable[[], Any], folder: Path) -> pd.DataFrame:
-    """The GPU events of one call of `run` under torch.profiler, after a sync on each side."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        run()
-        torch.cuda.synchronize()
-    path = folder / "replay.trace.json"
-    prof.export_chrome_trace(str(path))
-    return gpu_events(path)
 
 
 def profile_eager_kernels(run: Callable[[], Any], model: Any, folder: Path, roofs: dict | None) -> pd.DataFrame:
@@ -83,8 +42,8 @@ def profile_eager_kernels(run: Callable[[], Any], model: Any, folder: Path, roof
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from fusionscope.analysis import kernel_table
-    from fusionscope.analyze import classify
-    from fusionscope.capture import STEP_PREFIX, module_ranges
+    from fusionscope.capture import module_ranges
+    from fusionscope.markers import STEP_PREFIX
     from fusionscope.trace import load_timeline
 
     activities = [ProfilerActivity.CPU]
@@ -101,7 +60,7 @@ def profile_eager_kernels(run: Callable[[], Any], model: Any, folder: Path, roof
             torch.cuda.synchronize()
     path = folder / "eager_step.trace.json"
     prof.export_chrome_trace(str(path))
-    kernels = classify(kernel_table(load_timeline(path)), roofs)
+    kernels = classify_against(kernel_table(load_timeline(path)), roofs)
     return kernels.sort_values("ts_us", kind="stable").reset_index(drop=True)
 
 
@@ -132,11 +91,9 @@ def aligned(eager: pd.DataFrame, replay: pd.DataFrame) -> pd.DataFrame:
 def breakdown(table: pd.DataFrame, roofs: dict | None) -> dict[str, Any]:
     """The replayed step per launching op and kernel name: count, µs per step, share of the step's kernel time,
     achieved GB/s and TFLOP/s and their share of the roofs, and the class; largest first, `TOP_ROWS` kept."""
-    from fusionscope.analyze import classify
-
     if table.empty:
         return {"rows": [], "matched_share": None, "total_us": 0.0}
-    costed = classify(table.assign(dtype=table["dtype"].where(table["dtype"].notna(), None)), roofs)
+    costed = classify_against(table.assign(dtype=table["dtype"].where(table["dtype"].notna(), None)), roofs)
     matched_rows = costed["matched"].astype(bool)
     launched = costed["op"].where(costed["op"].notna() & (costed["op"].astype(str) != ""), None)
     # a bundled kernel launched without an aten op around it (the lean eager launch) is named by its kernel alone
@@ -188,7 +145,8 @@ def _common_module(modules: pd.Series) -> str:
 
 
 def _peak(roofs: dict | None, dtype: str | None) -> float | None:
-    """The peak TFLOP/s of the kernels' dtype (the fp32 one for integer or unknown dtypes), as `classify` takes it."""
+    """The peak TFLOP/s of the kernels' dtype (the fp32 one for integer or unknown dtypes), as
+    `roofline.classify_against` takes it."""
     tflops = (roofs or {}).get("tflops") or {}
     value = tflops.get(dtype or "") or tflops.get("float32")
     return float(value) if value else None
