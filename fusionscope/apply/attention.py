@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusionscope.apply.patching import Patcher, Support
+from fusionscope.apply.patcher import Patcher, Support
 from fusionscope.apply.source import (
     KERNEL_DTYPES,
     Source,

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from fusionscope.apply.layers import Carry, hidden_states_recorded, output_collector
-from fusionscope.apply.patching import Patcher, Support
+from fusionscope.apply.patcher import Patcher, Support
 from fusionscope.apply.source import (
     deprecated_aliases,
     difference,

@@ -70,7 +70,7 @@ from fusionscope.apply.source import (
 )
 
 if TYPE_CHECKING:
-    from fusionscope.apply.patching import Patcher
+    from fusionscope.apply.patcher import Patcher
 
 
 class NotPatchable(Exception):

@@ -5,10 +5,10 @@
 dataflow pass of the model itself. Each fusion module's `patch(patcher, paths)` turns its matches into changes of
 exactly those module instances and says, per path, `Support.yes()` or `Support.no(reason)`.
 
-Every change goes through a `Patcher`, which keeps an undo log: forwards are bound on the instance (never on a
-class), attributes are set on the instance, and everything is put back in reverse order on exit — so no transformers
-class and no module global is ever touched, and after the `with` block the model computes bit-for-bit what it did
-before.
+Every change goes through a `Patcher` (`apply.patcher`), which keeps an undo log: forwards are bound on the instance
+(never on a class), attributes are set on the instance, and everything is put back in reverse order on exit — so no
+transformers class and no module global is ever touched, and after the `with` block the model computes bit-for-bit
+what it did before.
 """
 
 from __future__ import annotations
@@ -22,86 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from fusionscope.apply.patcher import Patcher, Support
 from fusionscope.errors import UsageError
-
-_MISSING = object()
-
-
-@dataclass(frozen=True)
-class Support:
-    """Whether a patch could be made at one site, and why not (a silent no-op is a bug in a measuring tool)."""
-
-    ok: bool
-    reason: str = ""
-
-    @staticmethod
-    def yes() -> Support:
-        return Support(True)
-
-    @staticmethod
-    def no(reason: str) -> Support:
-        return Support(False, reason)
-
-
-class Patcher:
-    """The undo log of one patch over one model: every change made to an instance and how to put it back.
-
-    `state` is scratch space a fusion's patches share while the patch is active (the carried residual of
-    add_rms_norm, the memo of a fused projection), keyed by the fusion's name."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self.state: dict[str, Any] = {}
-        self._undo: list[Callable[[], None]] = []
-        self._forwards: dict[int, str] = {}  # id(module) -> fusion that rebound its forward
-
-    def module(self, path: str) -> nn.Module | None:
-        """The submodule at a qualified path ("" is the model itself); None when there is none."""
-        try:
-            return self.model.get_submodule(path) if path else self.model
-        except AttributeError:
-            return None
-
-    def set_attr(self, obj: Any, name: str, value: Any) -> None:
-        """Set `obj.name` on the instance; on restore, put back the old instance attribute or remove the new one."""
-        old = obj.__dict__.get(name, _MISSING) if hasattr(obj, "__dict__") else _MISSING
-        object.__setattr__(obj, name, value) if isinstance(obj, nn.Module) else setattr(obj, name, value)
-
-        def undo() -> None:
-            if old is _MISSING:
-                obj.__dict__.pop(name, None)
-            else:
-                object.__setattr__(obj, name, old) if isinstance(obj, nn.Module) else setattr(obj, name, old)
-
-        self._undo.append(undo)
-
-    def set_forward(self, module: nn.Module, forward: Callable[..., Any], owner: str) -> None:
-        """Bind `forward(module, *args, **kwargs)` as this instance's forward. Two fusions may not both rewrite
-        the same module's forward (they would silently undo each other): the second is a programming error."""
-        if id(module) in self._forwards:
-            raise RuntimeError(f"{owner} and {self._forwards[id(module)]} both rewrite {type(module).__name__}.forward")
-        self._forwards[id(module)] = owner
-        self.set_attr(module, "forward", types.MethodType(forward, module))
-        self._undo.append(lambda: self._forwards.pop(id(module), None))
-
-    def forward_owner(self, module: nn.Module) -> str | None:
-        return self._forwards.get(id(module))
-
-    def on_restore(self, undo: Callable[[], None]) -> None:
-        self._undo.append(undo)
-
-    def checkpoint(self) -> int:
-        """A mark of the undo log: `rollback(mark)` undoes every change made after it."""
-        return len(self._undo)
-
-    def rollback(self, mark: int) -> None:
-        while len(self._undo) > mark:
-            self._undo.pop()()
-
-    def restore(self) -> None:
-        self.rollback(0)
-        self._forwards.clear()
-        self.state.clear()
+from fusionscope.fusions import fusion_modules
 
 
 @dataclass
@@ -142,12 +65,6 @@ def sites_by_fusion(where: Iterable[Any]) -> dict[str, list[str]]:
         known = sites.setdefault(fusion, [])
         known.extend(p for p in paths if p not in known)
     return sites
-
-
-def fusion_modules() -> dict[str, types.ModuleType]:
-    from fusionscope.fusions import fusions
-
-    return {f.KEY: f for f in fusions()}
 
 
 def check_fusion_names(names: Iterable[str]) -> None:

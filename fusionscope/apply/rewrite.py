@@ -294,8 +294,7 @@ def rewrite_graph(gm: fx.GraphModule, fakes: tuple[Any, list[Any]], prefix: str,
     """Replace, in `gm`, the groups the finder matches on its dataflow at `sites` ({fusion: module paths}; a fusion
     with no paths: every site) with their kernels; `results[fusion][path]` gets '' (patched) or why not (a site
     patched in one graph stays reported as patched)."""
-    from fusionscope.apply.patching import fusion_modules
-    from fusionscope.fusions import find_matches
+    from fusionscope.fusions import find_matches, fusion_modules
 
     traced = trace_dataflow(gm, fakes, prefix)
     graph = Graph(traced.nodes)

@@ -28,7 +28,7 @@ import torch
 if TYPE_CHECKING:
     from torch import nn
 
-    from fusionscope.apply.patching import Patcher
+    from fusionscope.apply.patcher import Patcher
 
 # the activation dtypes every bundled kernel takes
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

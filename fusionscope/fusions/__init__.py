@@ -26,6 +26,11 @@ def fusions() -> list[ModuleType]:
     return [importlib.import_module(f"fusionscope.fusions.{name}") for name in _MODULES]
 
 
+def fusion_modules() -> dict[str, ModuleType]:
+    """{fusion name (`KEY`): its module}, in catalogue order."""
+    return {f.KEY: f for f in fusions()}
+
+
 def find_matches(graph: Graph) -> list[Match]:
     """Every entry's matches; a node belongs to at most one match (entries earlier in the list win)."""
     taken: set[int] = set()

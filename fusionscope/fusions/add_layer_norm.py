@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from fusionscope.apply.patching import Support
+from fusionscope.apply.patcher import Support
 from fusionscope.apply.source import difference, forward_replaced, read_source, template, unless_training
 from fusionscope.fusions.base import Binding, Graph, In, Match, row_micro_case, scalar_values
 from fusionscope.fusions.rms_norm import is_residual_add
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from fusionscope.apply.patching import Patcher
+    from fusionscope.apply.patcher import Patcher
     from fusionscope.bench.cases import Case
 
 KEY = "add_layer_norm"

@@ -24,13 +24,13 @@ from fusionscope.apply.layers import (
     layer_shape,
     norm_spec,
 )
-from fusionscope.apply.patching import Support
+from fusionscope.apply.patcher import Support
 from fusionscope.apply.source import forward_replaced
 from fusionscope.fusions.base import Binding, Graph, In, Match, row_micro_case
 from fusionscope.fusions.rms_norm import is_residual_add, norm_chain, norm_operands
 
 if TYPE_CHECKING:
-    from fusionscope.apply.patching import Patcher
+    from fusionscope.apply.patcher import Patcher
     from fusionscope.bench.cases import Case
 
 KEY = "add_rms_norm"

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fusionscope.apply.patching import Support
+from fusionscope.apply.patcher import Support
 from fusionscope.dataflow import LEAF
 from fusionscope.fusions.base import Graph, Match, rows_and_width
 from fusionscope.fusions.gelu_and_mul import gating_muls
 from fusionscope.fusions.linear_act import activation_nodes
 
 if TYPE_CHECKING:
-    from fusionscope.apply.patching import Patcher
+    from fusionscope.apply.patcher import Patcher
     from fusionscope.bench.cases import Case
 
 KEY = "bias_gelu"

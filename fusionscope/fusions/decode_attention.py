@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from fusionscope.apply.patching import Patcher, Support
+from fusionscope.apply.patcher import Patcher, Support
 from fusionscope.fusions.base import Binding, Graph, In, Match
 
 if TYPE_CHECKING:

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from fusionscope.apply.patching import Support
+from fusionscope.apply.patcher import Support
 from fusionscope.apply.source import forward_replaced, unless_training
 from fusionscope.fusions.base import Graph, Match
 
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from fusionscope.apply.patching import Patcher
+    from fusionscope.apply.patcher import Patcher
     from fusionscope.bench.cases import Case
 
 KEY = "dequant_gemm"

@@ -28,7 +28,7 @@ import copy
 import torch
 from torch import nn
 
-from fusionscope.apply.patching import Patcher, Support
+from fusionscope.apply.patcher import Patcher, Support
 from fusionscope.fusions.base import Graph, Match
 
 KEY = "flash_attention"

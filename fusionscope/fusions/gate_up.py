@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from fusionscope.apply.patching import Patcher, Support
+from fusionscope.apply.patcher import Patcher, Support
 from fusionscope.fusions.base import Graph, Match
 from fusionscope.fusions.qkv import find_linears, horizontal_micro_case, patch_linears
 

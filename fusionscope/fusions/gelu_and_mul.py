@@ -13,7 +13,7 @@ from __future__ import annotations
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from fusionscope.apply.patching import Patcher, Support
+from fusionscope.apply.patcher import Patcher, Support
 from fusionscope.fusions.base import Binding, Graph, Match, row_micro_case
 from fusionscope.fusions.silu_and_mul import glu_binding, patch_glu
 

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fusionscope.apply.patching import Support
+from fusionscope.apply.patcher import Support
 from fusionscope.apply.source import difference, forward_replaced, read_source, template, unless_training
 from fusionscope.fusions.base import Binding, Graph, In, Match, leaf_input
 from fusionscope.fusions.gelu_and_mul import gating_muls
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from fusionscope.apply.patching import Patcher
+    from fusionscope.apply.patcher import Patcher
     from fusionscope.bench.cases import Case
 
 KEY = "linear_act"

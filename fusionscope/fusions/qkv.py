@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from fusionscope.apply.patching import Patcher, Support
+from fusionscope.apply.patcher import Patcher, Support
 from fusionscope.apply.source import forward_replaced, unless_training
 from fusionscope.dataflow import LEAF
 from fusionscope.fusions.base import Graph, Match

@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fusionscope.apply.layers import NormSpec, NormState, NotPatchable, norm_spec
-from fusionscope.apply.patching import Support
+from fusionscope.apply.patcher import Support
 from fusionscope.apply.source import forward_replaced, unless_training
 from fusionscope.fusions.base import Binding, Graph, In, Match, leaf_input, row_micro_case, scalar_values
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from fusionscope.apply.patching import Patcher
+    from fusionscope.apply.patcher import Patcher
     from fusionscope.bench.cases import Case
 
 KEY = "rms_norm"

@@ -22,14 +22,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from fusionscope.apply.patching import Support
+from fusionscope.apply.patcher import Support
 from fusionscope.dataflow import METADATA_OPS
 from fusionscope.fusions.base import Graph, Match
 
 if TYPE_CHECKING:
     import torch
 
-    from fusionscope.apply.patching import Patcher
+    from fusionscope.apply.patcher import Patcher
     from fusionscope.bench.cases import Case
 
 KEY = "sampling"

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from fusionscope.apply.patching import Patcher, Support
+from fusionscope.apply.patcher import Patcher, Support
 from fusionscope.apply.source import KERNEL_DTYPES, forward_replaced, read_source, statement_key, unless_training
 from fusionscope.fusions.base import Binding, Graph, In, Match, input_index, row_micro_case
 
