@@ -161,3 +161,9 @@ def input_index(graph: Graph, node: int, producer: int) -> int:
     """The position of `producer`'s output among `node`'s inputs (-1: not an input)."""
     inputs = graph.inputs.get(node, ())
     return inputs.index(producer) if producer in inputs else -1
+
+
+def gating_muls(graph: Graph, node: int) -> list[int]:
+    """Readers of `node` that multiply it by another computed tensor (a GLU's gate × up)."""
+    readers = sorted(set(graph.consumers.get(node, ())))
+    return [c for c in readers if graph.name.get(c) == "aten::mul" and len(set(graph.producers(c)) - {node}) == 1]

@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING
 
 from fusionscope.apply.patcher import Support
 from fusionscope.dataflow import LEAF
-from fusionscope.fusions.base import Graph, Match, rows_and_width
-from fusionscope.fusions.gelu_and_mul import gating_muls
+from fusionscope.fusions.base import Graph, Match, gating_muls, rows_and_width
 from fusionscope.fusions.linear_act import activation_nodes
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from fusionscope.apply.patcher import Patcher, Support
-from fusionscope.fusions.base import Binding, Graph, Match, row_micro_case
+from fusionscope.fusions.base import Binding, Graph, Match, gating_muls, row_micro_case
 from fusionscope.fusions.silu_and_mul import glu_binding, patch_glu
 
 if TYPE_CHECKING:
@@ -24,12 +24,6 @@ KEY = "gelu_and_mul"
 KERNEL = "gelu_and_mul"
 FAMILIES = ("gemma", "gemma2", "gemma3")
 TITLE = "GELU(gate) × up → one kernel"
-
-
-def gating_muls(graph: Graph, node: int) -> list[int]:
-    """Readers of `node` that multiply it by another computed tensor (a GLU's gate × up)."""
-    readers = sorted(set(graph.consumers.get(node, ())))
-    return [c for c in readers if graph.name.get(c) == "aten::mul" and len(set(graph.producers(c)) - {node}) == 1]
 
 
 def find(graph: Graph) -> list[Match]:

@@ -34,8 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from fusionscope.apply.patcher import Support
 from fusionscope.apply.source import difference, forward_replaced, read_source, template, unless_training
-from fusionscope.fusions.base import Binding, Graph, In, Match, leaf_input
-from fusionscope.fusions.gelu_and_mul import gating_muls
+from fusionscope.fusions.base import Binding, Graph, In, Match, gating_muls, leaf_input
 
 if TYPE_CHECKING:
     import torch
