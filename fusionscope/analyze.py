@@ -38,7 +38,7 @@ import pandas as pd
 from fusionscope import analysis, datasheets, merged_ranks, opportunities, ranks, roofline, trace_events
 from fusionscope.errors import UsageError
 from fusionscope.execution_trace import ET_SUFFIXES
-from fusionscope.run import (
+from fusionscope.run_folder import (
     SCHEMA_VERSION,
     Run,
     check_out_dir,

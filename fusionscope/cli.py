@@ -148,7 +148,7 @@ def profile(
 @app.command()
 def report(run_dir: Annotated[Path, typer.Argument(help="a run folder written by `fusionscope profile`")]) -> None:
     """Re-render RUN_DIR/report.html from the run's saved data (summary.json, kernels.csv)."""
-    from fusionscope.run import load_run, rerender
+    from fusionscope.run_folder import load_run, rerender
 
     with usage_errors():
         path = rerender(run_dir)
@@ -185,7 +185,7 @@ def bench(
         from fusionscope.bench import run_bench
         from fusionscope.bench.page import render_bench_page
         from fusionscope.models import DTYPES
-        from fusionscope.run import check_out_dir, default_out_dir, staged_dir, write_json
+        from fusionscope.run_folder import check_out_dir, default_out_dir, staged_dir, write_json
 
         if dtype not in DTYPES:
             raise UsageError(f"unknown dtype '{dtype}': use bf16, fp16 or fp32")
@@ -444,7 +444,7 @@ def diff(
     category, per fusion; kernels gone/new; with two traces also HTA's trace diff."""
     from fusionscope.diff import diff_paths
     from fusionscope.report.diff_page import render_diff_page
-    from fusionscope.run import check_out_dir, default_out_dir, staged_dir, write_json
+    from fusionscope.run_folder import check_out_dir, default_out_dir, staged_dir, write_json
 
     with usage_errors():
         folder = out_dir or default_out_dir("diff")

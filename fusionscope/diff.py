@@ -17,7 +17,7 @@ from typing import Any
 import pandas as pd
 
 from fusionscope.errors import UsageError
-from fusionscope.run import Run, load_run
+from fusionscope.run_folder import Run, load_run
 
 DIFF_SCHEMA_VERSION = 1
 # The per-phase figures compared, in the order they are shown: summary.json's names (see README "summary.json").

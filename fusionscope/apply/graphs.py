@@ -302,8 +302,6 @@ def run_graphs(workload: Any, fusions_by_variant: dict[str, list[str]], enter: C
     fusions rewritten into the graph Inductor compiles (`fusionscope.apply.rewrite.compile_fused`).
     Returns `summary["apply"]["graphs"]`."""
     copy_gbps = (roofs or {}).get("copy_gbps")
-    from fusionscope.apply.run import json_safe
-
     model = workload.module
     (ids,) = workload.inputs
     steps = workload.decode_steps
@@ -371,8 +369,8 @@ def run_graphs(workload: Any, fusions_by_variant: dict[str, list[str]], enter: C
                     fig = numerics.compare(test, last_position(eager_ref))
                     fig32 = numerics.compare(test, last_position(ref32))
                     ok, why = numerics.judge(fig, fig32, eager_vs_fp32, dtype, real_weights)
-                    row.update(numerics=json_safe(fig), numerics_vs_fp32=json_safe(fig32), passed=ok, reason=why,
-                               free_running=free_running(own_tokens, eager_ref))  # fmt: skip
+                    row.update(numerics=numerics.json_safe(fig), numerics_vs_fp32=numerics.json_safe(fig32),
+                               passed=ok, reason=why, free_running=free_running(own_tokens, eager_ref))  # fmt: skip
                     if gpu and ok:
                         note(f"graphs: profiling one step of {name}")
                         decoder.roofs = roofs

@@ -472,3 +472,19 @@ def text_ids(tokenizer: Any, length: int, batch: int = 1, text: str = PARAGRAPH,
     while len(sequence) < need:
         sequence += gap + ids
     return torch.tensor([sequence[b * stride : b * stride + length] for b in range(batch)], dtype=torch.long)
+
+
+def json_safe(figures: dict) -> dict:
+    """Figures with every non-finite float (a NaN logit, an infinite relative error) as None and `non_finite` set:
+    summary.json is strict JSON, and a failed fusion's figures must still be written."""
+    import math
+
+    out, bad = {}, False
+    for key, value in figures.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            out[key], bad = None, True
+        else:
+            out[key] = value
+    if bad:
+        out["non_finite"] = True
+    return out

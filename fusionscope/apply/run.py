@@ -32,7 +32,8 @@ import pandas as pd
 
 from fusionscope.apply.lockstep import agree, in_ranks
 from fusionscope.errors import UsageError
-from fusionscope.run import Run, Settings, finish_run_folder, load_run, prepare, profile_stages, staged_dir
+from fusionscope.pipeline import Settings, prepare, profile_stages
+from fusionscope.run_folder import Run, command_line, finish_run_folder, load_run, staged_dir
 
 BASELINE = "baseline"
 ALL_FOUND = "all found"
@@ -117,9 +118,12 @@ def apply(
     settings = Settings(model, batch, prompt_len, decode_steps, dtype, device, warmup, remeasure, sample, temperature,
                         top_k, top_p, cache=cache)  # fmt: skip
     if nproc is not None:
-        from fusionscope.distributed import launch_tp
+        from fusionscope.launch import launch_tp
 
-        return launch_tp(dataclasses.replace(settings, nproc=nproc), out, on_stage, options)
+        done = launch_tp(dataclasses.replace(settings, nproc=nproc), out, on_stage, options,
+                         check=lambda dev: prepare_kernels(dev, options))  # fmt: skip
+        outcomes = pd.DataFrame(done.summary["apply"]["rows"])
+        return ApplyRun(out_dir=done.out_dir, summary=done.summary, kernels=done.kernels, outcomes=outcomes)
     note = on_stage or (lambda _msg: None)
     t_start = time.perf_counter()
     out_dir, spec, dev, torch_dtype = prepare(settings, out)
@@ -249,15 +253,15 @@ def apply_stages(settings: Settings, spec: Any, dev: Any, torch_dtype: Any, tmp:
     summary["apply"] = run_apply(workload, summary, options.wanted, options.repeats, tmp, note, options.graphs,
                                  options.graphs_only, options.graphs_together)  # fmt: skip
     if quantized:
+        from fusionscope.apply import numerics
+
         summary["apply"]["quantization"] = {
             "spec": str(options.quantize).strip(),
             "group_size": group,
             "against": f"the {str(torch_dtype).removeprefix('torch.')} model before quantisation",
-            "numerics": json_safe(quantized["numerics"]),
+            "numerics": numerics.json_safe(quantized["numerics"]),
         }
     pd.DataFrame(summary["apply"]["rows"]).to_csv(tmp / "apply.csv", index=False, float_format="%.6g")
-    from fusionscope.run import command_line
-
     summary["command"] = command_line() or summary.get("command", "")
     return summary, kernels
 
@@ -394,7 +398,7 @@ def run_apply(
         if gpu:
             torch.cuda.empty_cache()
     eager_raw = numerics.compare(ref, ref32)
-    eager_vs_fp32 = json_safe(eager_raw)
+    eager_vs_fp32 = numerics.json_safe(eager_raw)
 
     def check(fusions: list[str]) -> tuple[dict, dict, bool, str]:
         """Numerics of `fusions` patched together: (vs eager, vs fp32, passed, reason). A patched forward that
@@ -412,7 +416,7 @@ def run_apply(
         if draws is not None:
             fig["draws"] = draws
             ok, why = (ok and draws["passed"], f"{why}; {draws['reason']}")
-        return json_safe(fig), json_safe(fig32), ok, why
+        return numerics.json_safe(fig), numerics.json_safe(fig32), ok, why
 
     fusion_rows: dict[str, dict] = {}
     passing: list[str] = []
@@ -562,22 +566,6 @@ def graph_variants(workload: Any, summary: dict, passing: list[str], enter: Call
     out["graph_vs_eager"] = eager_ms / graph_ms if eager_ms and graph_ms else None
     want = out["predicted"]["graph_vs_eager"]
     out["error_graph_vs_eager"] = out["graph_vs_eager"] / want - 1 if out["graph_vs_eager"] and want else None
-    return out
-
-
-def json_safe(figures: dict) -> dict:
-    """Figures with every non-finite float (a NaN logit, an infinite relative error) as None and `non_finite` set:
-    summary.json is strict JSON, and a failed fusion's figures must still be written."""
-    import math
-
-    out, bad = {}, False
-    for key, value in figures.items():
-        if isinstance(value, float) and not math.isfinite(value):
-            out[key], bad = None, True
-        else:
-            out[key] = value
-    if bad:
-        out["non_finite"] = True
     return out
 
 
