@@ -524,7 +524,7 @@ def dominant_dtype(ops: pd.DataFrame) -> str | None:
 
 
 def write_tables(folder: Path, kernels: pd.DataFrame, ops: pd.DataFrame) -> None:
-    """kernels.csv and ops.csv, as `run.write_tables` writes them (`write_csv`)."""
+    """kernels.csv and ops.csv, as `run_folder.write_tables` writes them (`write_csv`)."""
     write_csv(kernels, folder / "kernels.csv")
     write_csv(ops, folder / "ops.csv")
 
