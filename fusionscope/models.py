@@ -12,6 +12,7 @@ import importlib.util
 import inspect
 import json
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -555,9 +556,13 @@ def _load_factory(path: Path, func: str) -> Callable[..., Any]:
     if module_spec is None or module_spec.loader is None:
         raise UsageError(f"cannot import {path}")
     mod = importlib.util.module_from_spec(module_spec)
+    # importable by its name, as any module whose classes make a model: TorchDynamo, tracing a patched forward,
+    # imports the module of every class it meets by `__module__`
+    sys.modules[module_spec.name] = mod
     try:
         module_spec.loader.exec_module(mod)
     except Exception as exc:
+        sys.modules.pop(module_spec.name, None)
         raise UsageError(f"importing {path} failed: {type(exc).__name__}: {exc}") from None
     factory = getattr(mod, func, None)
     if not callable(factory):

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import fusionscope.kernels
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fusionscope import dataflow
@@ -421,6 +422,123 @@ def test_patching_many_models_of_one_class_keeps_capturing(calls: collections.Co
             calls.clear()
             model(x)
             assert calls["rms_norm"] == 1, f"model {i}"
+
+
+# ------------------------------------------------------------------------------------------------------- edge cases
+
+
+def graph_patch(model: nn.Module, x: torch.Tensor) -> tuple[PatchResult, torch.Tensor, torch.Tensor]:
+    """(what the graph patch of every site the finder finds in `model` did, the unpatched output, the patched one)."""
+    model.eval()
+    workload = Workload(spec=ModelSpec(name="toy", source="module"), module=model, device=torch.device("cpu"),
+                        dtype=x.dtype, phases=("forward",), inputs=(x,))  # fmt: skip
+    found = [m for m in find_matches(Graph(dataflow.record_dataflow(workload).assign(op_id=-1))) if not m.rejected]
+    where = [{"fusion": f, "module_paths": p} for f, p in sites_by_fusion(found).items()]
+    with torch.inference_mode():
+        ref = model(x)
+    with torch.inference_mode(), patch(model, where, example=lambda m: m(x)) as r:
+        got = model(x)
+    return r, ref, got
+
+
+class Glu(nn.Module):
+    """A GLU MLP; `write_gate`: the gate written in place after SiLU read it (eager multiplies the pre-write SiLU)."""
+
+    def __init__(self, write_gate: bool = False) -> None:
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(32, 64), nn.Linear(32, 64), nn.Linear(64, 32)
+        self.write_gate = write_gate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g, u = self.gate(x), self.up(x)
+        a = F.silu(g)
+        if self.write_gate:
+            g.mul_(2.0)
+            return self.down(a * u) + self.down(g)
+        return self.down(a * u)
+
+
+class RootGlu(Glu):
+    """The GLU written in the model's own forward: the profile names its site by the class name."""
+
+
+def test_a_glu_in_the_models_own_forward_is_patched() -> None:
+    r, ref, got = graph_patch(RootGlu(), torch.randn(2, 4, 32))
+    assert r.applied == {"silu_and_mul": ["RootGlu"]} and r.rewritten == ["silu_and_mul"], r.skipped
+    assert_logits_close(got, ref)
+
+
+def test_an_in_place_write_between_the_groups_ops_keeps_it_unfused() -> None:
+    model = nn.Sequential(Glu(write_gate=True), nn.Linear(32, 32))
+    r, ref, got = graph_patch(model, torch.randn(2, 4, 32))
+    assert "in-place write" in r.skipped.get("silu_and_mul", ""), r.skipped
+    assert torch.equal(got, ref)
+
+
+class RotaryBSHD(nn.Module):
+    """q and k as (B, S, H, D), cos/sin unsqueezed on dim 2: a layout the rope kernel does not take."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k = x.view(b, s, 4, 8), (2 * x).view(b, s, 4, 8)
+        angles = torch.arange(s, dtype=x.dtype)[:, None] * torch.arange(8, dtype=x.dtype)[None, :]
+        cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+
+        def half(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat((-t[..., 4:], t[..., :4]), dim=-1)
+
+        q_embed = (q * cos) + (half(q) * sin)
+        k_embed = (k * cos) + (half(k) * sin)
+        return (q_embed + k_embed).reshape(b, s, -1)
+
+
+def test_rope_on_positions_by_heads_is_refused_not_misread() -> None:
+    model = nn.Sequential(RotaryBSHD(), nn.Linear(32, 32))
+    r, ref, got = graph_patch(model, torch.randn(2, 4, 32))  # S == H == 4: a misread layout would still run
+    assert "rope" not in r.applied and "positions" in r.skipped.get("rope", ""), (r.applied, r.skipped)
+    assert torch.equal(got, ref)
+
+
+class Weightless(ChainNorm):
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        return (hidden_states * torch.rsqrt(variance + self.variance_epsilon)).to(input_dtype)
+
+
+def test_a_weightless_norm_and_a_bias_add_before_a_norm() -> None:
+    """A norm without a weight is refused (its input is not a weight); a bias add before a norm is no residual add,
+    so the site stays the plain norm the profile found."""
+
+    class Net(nn.Module):
+        def __init__(self, weight: bool) -> None:
+            super().__init__()
+            self.proj, self.norm = nn.Linear(32, 32), ChainNorm(32) if weight else Weightless(32)
+            self.bias = nn.Parameter(torch.randn(32))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.norm(self.proj(x) + self.bias)
+
+    r, ref, got = graph_patch(Net(weight=True), torch.randn(2, 4, 32))
+    assert r.applied == {"rms_norm": ["norm"]}, r.skipped
+    assert_logits_close(got, ref)
+    r, ref, got = graph_patch(Net(weight=False), torch.randn(2, 4, 32))
+    assert "no weight" in r.skipped.get("rms_norm", ""), r.skipped
+
+
+def test_gpt2s_conv1d_mlp_is_patched_on_the_graph() -> None:
+    """GPT-2's Conv1D hands its (K, N) weight straight to addmm: linear_act binds it as its transpose."""
+    workload = build_workload(resolve_model("gpt2"), torch.device("cpu"), torch.float32, prompt_len=8, decode_steps=1)
+    model = workload.module.eval()
+    model.transformer.h = model.transformer.h[:2]
+    model.config.n_layer = 2
+    ref = prefill_and_decode(model, workload.inputs[0])
+    with patch(model, ["linear_act"]) as r:
+        assert r.rewritten == ["linear_act"] and len(r.applied["linear_act"]) == 2, r.skipped
+        got = prefill_and_decode(model, workload.inputs[0], ref[2])
+    assert_logits_close(got[0], ref[0])
+    assert_logits_close(got[1], ref[1])
 
 
 # ------------------------------------------------------------------------------------------------------- real weights

@@ -111,6 +111,7 @@ class Traced:
     row_inputs: dict[int, list[tuple[torch.Tensor, fx.Node | None]]]
     output_fx: dict[int, fx.Node | None]
     is_view: dict[int, bool] = field(default_factory=dict)
+    traced_nodes: set[fx.Node] = field(default_factory=set)  # the graph's nodes when it was traced
 
     def rows_of(self, nodes: set[fx.Node]) -> set[int]:
         return {r for r, n in self.row_fx.items() if n in nodes}
@@ -129,19 +130,24 @@ def module_path(node: fx.Node, prefix: str) -> str:
     return ".".join(p for p in (prefix, path) if p) or prefix
 
 
-def fake_inputs(example_inputs: list[Any]) -> tuple[Any, list[Any]]:
-    """(a fake mode, fake copies of `example_inputs`): shapes, strides and dtypes, no data held."""
+def fake_inputs(example_inputs: list[Any]) -> tuple[Any, list[Any], list[bool]]:
+    """(a fake mode, fake copies of `example_inputs`, which of them are parameters): shapes, strides and dtypes, no
+    data held. Parameters are told apart so that the dataflow's `input_params` tells a bias add from a residual
+    add, as the profile's recorded dataflow does."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    return fake_mode, [_fake(fake_mode, x) for x in example_inputs]
+    params = [isinstance(x, nn.Parameter) for x in example_inputs]
+    return fake_mode, [_fake(fake_mode, x) for x in example_inputs], params
 
 
-def trace_dataflow(gm: fx.GraphModule, fakes: tuple[Any, list[Any]], prefix: str) -> Traced:
-    """Run `gm` once on the fake inputs `fakes` (`fake_inputs`) under the recorder; the dataflow of its aten ops."""
-    fake_mode, inputs = fakes
+def trace_dataflow(gm: fx.GraphModule, fakes: tuple[Any, list[Any], list[bool]], prefix: str, root: str = "") -> Traced:
+    """Run `gm` once on the fake inputs `fakes` (`fake_inputs`) under the recorder; the dataflow of its aten ops.
+    `root`: how the profile names the captured module when it is the model itself (its class name)."""
+    fake_mode, inputs, params = fakes
     recorder = _FxRecorder()
-    modules = {n: module_path(n, prefix) for n in gm.graph.nodes}
+    recorder.param_storages = {recorder._storage_key(x) for x, p in zip(inputs, params) if p}
+    modules = {n: module_path(n, prefix) or root for n in gm.graph.nodes}
 
     class _Run(fx.Interpreter):
         def run_node(self, n: fx.Node) -> Any:
@@ -169,7 +175,8 @@ def trace_dataflow(gm: fx.GraphModule, fakes: tuple[Any, list[Any]], prefix: str
     output_fx: dict[int, fx.Node | None] = {}
     for row, outs in recorder.row_outputs.items():
         output_fx[row] = recorder.fx_of.get(id(outs[0])) if outs else None
-    return Traced(frame, recorder.row_fx, recorder.row_inputs, output_fx, dict(zip(frame["node"], frame["is_view"])))
+    is_view = dict(zip(frame["node"], frame["is_view"]))
+    return Traced(frame, recorder.row_fx, recorder.row_inputs, output_fx, is_view, set(gm.graph.nodes))
 
 
 def _fake(mode: Any, value: Any) -> Any:
@@ -191,7 +198,7 @@ def replace_group(gm: fx.GraphModule, traced: Traced, binding: Binding, taken: d
     group = {traced.row_fx.get(r) for r in rows}
     if None in group:
         return "an op of the group ran outside the captured graph's calls"
-    group |= _idle_between(group, set(traced.row_fx.values()))
+    group |= _idle_between(group, set(traced.row_fx.values()), traced.traced_nodes)
     if group & taken.keys():
         return "another fusion already replaced some of these ops"
     inside = traced.rows_of(group)
@@ -228,6 +235,10 @@ def replace_group(gm: fx.GraphModule, traced: Traced, binding: Binding, taken: d
         at = last_input
     if at >= first_reader or last_input > at:
         return "no place in the graph has every input before the outputs' first reader"
+    span = (min(at, *(order[n] for n in group)), max(at, *(order[n] for n in group)))
+    writer = _write_between(traced, rows, group, order, span)
+    if writer:
+        return f"an in-place write to an input of the group ({writer}) lies between its ops"
     anchor = list(gm.graph.nodes)[at]
     with gm.graph.inserting_after(anchor):
         call = gm.graph.call_function(binding.call, tuple(args))
@@ -244,16 +255,41 @@ def replace_group(gm: fx.GraphModule, traced: Traced, binding: Binding, taken: d
     return ""
 
 
-def _idle_between(group: set[fx.Node], busy: set[fx.Node]) -> set[fx.Node]:
+def _storage(t: Any) -> int | None:
+    try:
+        return t.untyped_storage()._cdata
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return None
+
+
+def _write_between(traced: Traced, rows: set[int], group: set[fx.Node], order: dict[fx.Node, int],
+                   span: tuple[int, int]) -> str:  # fmt: skip
+    """The call that writes in place, strictly inside `span` (graph positions) and outside the group, to the storage
+    of a tensor the group reads ('' for none): the one call that replaces the group would read it before or after
+    that write, where the group's ops read it on both sides."""
+    read = {_storage(t) for r in rows for t, _node in traced.row_inputs.get(r, [])} - {None}
+    for r, node in traced.row_fx.items():
+        if node is None or node in group or node not in order or not traced.nodes.at[r, "inplace"]:
+            continue
+        if span[0] < order[node] < span[1]:
+            handed = traced.row_inputs.get(r, [])
+            if handed and _storage(handed[0][0]) in read:
+                return f"{node.name}: {traced.nodes.at[r, 'name']}"
+    return ""
+
+
+def _idle_between(group: set[fx.Node], busy: set[fx.Node], traced: set[fx.Node]) -> set[fx.Node]:
     """Calls that computed nothing (no aten op: `.to` of a tensor already of that dtype) read only by the group and
-    reading from it: they go with the group."""
+    reading from it: they go with the group. Calls an earlier replacement inserted are never idle."""
     idle: set[fx.Node] = set()
     changed = True
     while changed:
         changed = False
         for member in list(group | idle):
             for user in member.users:
-                if user in group or user in idle or user in busy or user.op not in ("call_function", "call_method"):
+                if user in group or user in idle or user in busy or user not in traced:
+                    continue
+                if user.op not in ("call_function", "call_method"):
                     continue
                 if all(u in group or u in idle for u in user.users) and user.users:
                     idle.add(user)
@@ -289,14 +325,14 @@ def drop_dead(gm: fx.GraphModule, traced: Traced) -> None:
             gm.graph.erase_node(node)
 
 
-def rewrite_graph(gm: fx.GraphModule, fakes: tuple[Any, list[Any]], prefix: str, sites: dict[str, list[str]],
-                  results: dict[str, dict[str, str]]) -> None:  # fmt: skip
+def rewrite_graph(gm: fx.GraphModule, fakes: tuple[Any, list[Any], list[bool]], prefix: str,
+                  sites: dict[str, list[str]], results: dict[str, dict[str, str]], root: str = "") -> None:  # fmt: skip
     """Replace, in `gm`, the groups the finder matches on its dataflow at `sites` ({fusion: module paths}; a fusion
     with no paths: every site) with their kernels; `results[fusion][path]` gets '' (patched) or why not (a site
     patched in one graph stays reported as patched)."""
     from fusionscope.fusions import find_matches, fusion_modules
 
-    traced = trace_dataflow(gm, fakes, prefix)
+    traced = trace_dataflow(gm, fakes, prefix, root)
     graph = Graph(traced.nodes)
     modules = fusion_modules()
     taken: dict[fx.Node, fx.Node | None] = {}
@@ -329,6 +365,7 @@ class Patch:
 
     sites: dict[str, list[str]]
     prefix: str
+    root: str = ""  # the profile's name of the captured module when it is the model itself (its class name)
     results: dict[str, dict[str, str]] = field(default_factory=dict)
     serial: int = field(default_factory=lambda: next(_serials))
 
@@ -376,8 +413,14 @@ class Rewriter:
             variant = variants.get(patch.key)
             if variant is None:
                 rewritten, results = _copy(gm), {}
-                rewrite_graph(rewritten, fakes, patch.prefix, patch.sites, results)
-                variant = variants[patch.key] = _Variant(rewritten.forward, results)
+                try:
+                    rewrite_graph(rewritten, fakes, patch.prefix, patch.sites, results, patch.root)
+                    forward = rewritten.forward
+                except Exception as error:  # a rewrite that fails leaves this graph as dynamo captured it
+                    why = f"rewriting the captured graph failed: {_first_line(error)}"
+                    results = {f: dict.fromkeys(paths, why) for f, paths in patch.sites.items()}
+                    forward = gm.forward
+                variant = variants[patch.key] = _Variant(forward, results)
             if patch.serial not in variant.told:
                 patch.merge(variant.results)
                 variant.told.add(patch.serial)
@@ -387,14 +430,36 @@ class Rewriter:
 
 
 REWRITER = Rewriter()
+
+
+def _trampoline(function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function` called through a frame of fusionscope's own: dynamo keeps compiled graphs on the code object of the
+    frame it starts in, and a model's forward shares its code with others (transformers' decorators wrap every
+    forward in one function), whose torch.compile would otherwise count the rewrite's graphs against its own
+    recompile limit, and silently run eagerly past it."""
+
+    def captured(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return function(self, *args, **kwargs)
+
+    return captured
+
+
 _COMPILED: dict[Callable[..., Any], Callable[..., Any]] = {}  # a forward function -> it under torch.compile(REWRITER)
 RECOMPILE_LIMIT = 64  # graphs per forward while a patch is on: prefill and decode shapes, batches, caches, models
+
+
+def _resolves(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+        return True
+    except AttributeError:  # the profile names the model itself by its class name
+        return False
 
 
 def captured_module(model: nn.Module, paths: Iterable[str]) -> str:
     """The path of the smallest module holding every one of `paths` ('' the model itself), descending no further
     than a module whose forward is not plain (a `ModuleList` is walked past, never captured)."""
-    split = [p.split(".") for p in paths if p]
+    split = [p.split(".") for p in paths if p and _resolves(model, p)]
     common: list[str] = []
     for parts in zip(*split) if split else ():
         if len(set(parts)) != 1:
@@ -424,9 +489,9 @@ def install(patcher: Any, sites: dict[str, list[str]], example: Callable[[nn.Mod
         raise CaptureFailed(f"{label}'s forward is not a method of the module; nothing to capture")
     function = original.__func__
     if function not in _COMPILED:
-        _COMPILED[function] = torch.compile(function, backend=REWRITER, fullgraph=True)
+        _COMPILED[function] = torch.compile(_trampoline(function), backend=REWRITER, fullgraph=True)
     compiled = _COMPILED[function]
-    patch = Patch({f: list(p) for f, p in sites.items()}, path)
+    patch = Patch({f: list(p) for f, p in sites.items()}, path, "" if path else type(module).__name__)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if self.training:  # the kernels have no backward
@@ -450,8 +515,11 @@ def install(patcher: Any, sites: dict[str, list[str]], example: Callable[[nn.Mod
         example(patcher.model)
     except torch._dynamo.exc.BackendCompilerFailed as error:
         raise CaptureFailed(f"rewriting the graph of {label} failed: {_first_line(error.inner_exception)}") from None
-    except Exception as error:  # dynamo's refusals (TorchDynamoException, FailOnRecompileLimitHit) and the like
+    except torch._dynamo.exc.TorchDynamoException as error:
         raise CaptureFailed(f"{label} ({type(module).__name__}) cannot be captured as one graph: "
+                            f"{_first_line(error)}") from None  # fmt: skip
+    except Exception as error:  # a recompile limit (FailOnRecompileLimitHit), a kernel the rewritten graph called
+        raise CaptureFailed(f"the captured graph of {label} ({type(module).__name__}) raised "
                             f"{_first_line(error)}") from None  # fmt: skip
     return patch.results
 
@@ -475,7 +543,7 @@ def compile_fused(model: nn.Module, sites: dict[str, list[str]], mode: str | Non
     results: dict[str, dict[str, str]] = {}
 
     def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        rewrite_graph(gm, fake_inputs(example_inputs), "", sites, results)
+        rewrite_graph(gm, fake_inputs(example_inputs), "", sites, results, type(model).__name__)
         return compile_fx(gm, example_inputs, config_patches=patches)
 
     return torch.compile(model.forward, backend=backend, fullgraph=False, dynamic=False), results

@@ -55,24 +55,31 @@ def find(graph: Graph) -> list[Match]:
 
 def bind(graph: Graph, match: Match) -> Binding | str:
     """One `add_rms_norm(a, b, weight, ε, offset)` in place of the add and the chain: its two results replace the
-    chain's output and the add's (the new residual, which the next residual add reads)."""
+    chain's output and the add's (the new residual, which the next residual add reads). A chain that multiplies by
+    the weight before it casts back (`rms_norm.norm_operands`' upcast) gets the add, then the norm on the sum in fp32
+    cast once: fewer launches, the chain's one rounding."""
     found = norm_operands(graph, match)
     if isinstance(found, str):
         return found
-    rsqrt, (_x, weight, eps, offset, dtype), out = found
+    rsqrt, (_x, weight, eps, offset, dtype, upcast), out = found
     add = norm_chain(graph, rsqrt)[1]
     shapes = graph.column("input_shapes", ()).get(add) or ()
     dtypes = graph.column("input_dtypes", ()).get(add) or ()
     if len(shapes) != 2 or shapes[0] != shapes[1] or len(set(dtypes)) != 1:
         return "the residual add broadcasts or mixes dtypes; the kernel adds two tensors of one shape and dtype"
-    return Binding(fused_add_rms_norm, (In(add, 0), In(add, 1), weight, eps, offset, dtype), (out, add), match.nodes)
+    args = (In(add, 0), In(add, 1), weight, eps, offset, dtype, upcast)
+    return Binding(fused_add_rms_norm, args, (out, add), match.nodes)
 
 
-def fused_add_rms_norm(a: Any, b: Any, weight: Any, eps: float, offset: float, dtype: str) -> tuple[Any, Any]:
+def fused_add_rms_norm(a: Any, b: Any, weight: Any, eps: float, offset: float, dtype: str,
+                       upcast: bool = False) -> tuple[Any, Any]:  # fmt: skip
     import torch
 
-    from fusionscope.kernels import add_rms_norm
+    from fusionscope.kernels import add_rms_norm, rms_norm
 
+    if upcast:
+        residual = a + b
+        return rms_norm(residual.float(), weight, eps, offset).to(getattr(torch, dtype)), residual
     out, residual = add_rms_norm(a, b, weight, eps, offset)
     return (out if str(out.dtype).removeprefix("torch.") == dtype else out.to(getattr(torch, dtype))), residual
 

@@ -148,29 +148,43 @@ def activation_of(graph: Graph, match: Match) -> str:
 
 
 def bind(graph: Graph, match: Match) -> Binding | str:
-    """One `linear_act(x, weight, bias, activation)` in place of an `nn.Linear`'s GEMM (its `t` and row views are the
-    call's own), bias add and activation. Only a GEMM on a transposed parameter (x @ Wᵀ, the Linear layout) binds."""
+    """One `linear_act(x, weight, bias, activation)` in place of a GEMM on a weight parameter, its row views, bias add
+    and activation: an `nn.Linear`'s `x @ Wᵀ` (the `t` is the call's own) or GPT-2's `Conv1D` `x @ W` (W handed over
+    as its transpose). The result keeps x's leading dims: a group whose views regroup the GEMM's columns is refused."""
     gemm = next((n for n in match.nodes if graph.name.get(n) in GEMMS), -1)
     first = 1 if graph.name.get(gemm) == "aten::addmm" else 0
     weight_t = graph.producer(gemm, first + 1)
-    if graph.name.get(weight_t) != "aten::t" or graph.producer(weight_t) >= 0:
-        return "the GEMM's weight is not a Linear's transposed parameter"
+    if graph.name.get(weight_t) == "aten::t" and graph.producer(weight_t) < 0:
+        weight, transposed = In(weight_t, 0), False
+    elif weight_t < 0:  # Conv1D: (K, N) straight into the GEMM
+        weight, transposed = In(gemm, first + 1), True
+    else:
+        return "the GEMM's weight is not a parameter (a Linear's transposed one, or a Conv1D's)"
     bias: Any = In(gemm, 0) if first else None
     adds = [n for n in match.nodes if graph.name.get(n) == "aten::add" and leaf_input(graph, n) >= 0]
+    adds = [n for n in adds if len(graph.producers(n)) == 1]  # the bias: a parameter plus the GEMM's output
     if not first and adds:
         bias = In(adds[0], leaf_input(graph, adds[0]))
+    scalars = graph.column("scalars", ()).get(gemm) or ()
+    if any(t.startswith(("beta=", "alpha=")) and float(t.split("=")[1]) != 1.0 for t in scalars):
+        return "the GEMM scales its terms (addmm's beta/alpha)"
     members = set(match.nodes)
     ends = [n for n in members if not set(graph.consumers.get(n, ())) & members]
     if len(ends) != 1:
         return "the group has more than one output"
+    columns = (graph.column("output_shapes", ()).get(gemm) or ((),))[0]
+    out_shape = (graph.column("output_shapes", ()).get(ends[0]) or ((),))[0]
+    if not columns or not out_shape or out_shape[-1] != columns[-1]:
+        return "views after the GEMM regroup its columns; the kernel's result keeps x's leading dims"
     x = In(gemm, first, through_views=True)
-    return Binding(fused_linear_act, (x, In(weight_t, 0), bias, activation_of(graph, match)), (ends[0],), match.nodes)
+    args = (x, weight, bias, activation_of(graph, match), transposed)
+    return Binding(fused_linear_act, args, (ends[0],), match.nodes)
 
 
-def fused_linear_act(x: Any, weight: Any, bias: Any, activation: str) -> Any:
+def fused_linear_act(x: Any, weight: Any, bias: Any, activation: str, transposed: bool = False) -> Any:
     from fusionscope.kernels import linear_act
 
-    return linear_act(x, weight, bias, activation)
+    return linear_act(x, weight.t() if transposed else weight, bias, activation)
 
 
 @dataclass(frozen=True)

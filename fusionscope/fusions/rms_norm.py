@@ -113,9 +113,11 @@ def find(graph: Graph) -> list[Match]:
 
 
 def norm_operands(graph: Graph, match: Match) -> tuple[int, list, int] | str:
-    """(rsqrt node, [x, weight, ε, offset, output dtype] as a bind passes them, output node) of a matched RMSNorm
-    chain, or why it cannot be bound: the weight is the leaf operand of a multiply after the normalisation (Llama's
-    `weight * x̂`, OLMo-2's `(weight * x̂).to(dtype)`), or, through Gemma's `1 + weight.float()`, offset 1."""
+    """(rsqrt node, [x, weight, ε, offset, output dtype, upcast] as a bind passes them, output node) of a matched
+    RMSNorm chain, or why it cannot be bound: the weight is the parameter operand of a multiply after the
+    normalisation, or, through Gemma's `1 + weight.float()`, offset 1. `upcast`: the chain multiplies by the weight
+    before it casts back (OLMo-2's `(weight * x̂).to(dtype)`, one rounding), where the kernel, like Llama's
+    `weight * x̂.to(dtype)`, rounds x̂ first; the bind then hands the kernel x in fp32 and casts its result once."""
     rsqrt = next((n for n in match.nodes if graph.name.get(n) == "aten::rsqrt"), -1)
     chain = norm_chain(graph, rsqrt) if rsqrt >= 0 else None
     if chain is None:
@@ -128,8 +130,12 @@ def norm_operands(graph: Graph, match: Match) -> tuple[int, list, int] | str:
     if len(eps) != 1:
         return "ε is not a constant of the norm's add"
     weight, offset = None, 0.0
-    for node in sorted(group):
-        if graph.name.get(node) == "aten::mul" and (leaf := leaf_input(graph, node)) >= 0:
+    scale = graph.only_consumer(rsqrt)  # x32 · rsqrt: its leaf, if any, is x itself, never the weight
+    params = graph.column("input_params", ())
+    for node in sorted(group - {scale}):
+        leaf = leaf_input(graph, node)
+        is_param = leaf >= 0 and (leaf >= len(params.get(node) or ()) or params[node][leaf])
+        if graph.name.get(node) == "aten::mul" and is_param:
             weight = In(node, leaf)
         elif graph.name.get(node) == "aten::add" and node != graph.producer(rsqrt):  # Gemma's 1 + w
             constant = scalar_values(graph, node)
@@ -141,7 +147,9 @@ def norm_operands(graph: Graph, match: Match) -> tuple[int, list, int] | str:
     if weight is None:
         return "the norm has no weight the kernel can take"
     dtype = (graph.column("output_dtypes", ()).get(out) or ("",))[0]
-    return rsqrt, [x, weight, eps[0], offset, dtype], out
+    after_scale = graph.only_consumer(scale)
+    upcast = offset == 0.0 and graph.name.get(after_scale) == "aten::mul" and graph.name.get(out) == "aten::_to_copy"
+    return rsqrt, [x, weight, eps[0], offset, dtype, upcast], out
 
 
 def bind(graph: Graph, match: Match) -> Binding | str:
@@ -153,10 +161,11 @@ def bind(graph: Graph, match: Match) -> Binding | str:
     return Binding(fused_rms_norm, tuple(args), (out,), match.nodes)
 
 
-def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, dtype: str) -> torch.Tensor:
+def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, dtype: str,
+                   upcast: bool = False) -> torch.Tensor:  # fmt: skip
     from fusionscope.kernels import rms_norm
 
-    out = rms_norm(x, weight, eps, offset)
+    out = rms_norm(x.float() if upcast else x, weight, eps, offset)
     return out if str(out.dtype).removeprefix("torch.") == dtype else out.to(getattr(torch, dtype))
 
 

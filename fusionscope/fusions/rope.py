@@ -120,8 +120,15 @@ def bind(graph: Graph, match: Match) -> Binding | str:
     if len(chains) != 2:
         return "only one of q and k is rotated here; the kernel rotates both in one launch"
     refs = []
+    shapes = graph.column("input_shapes", ())
     for nodes, x, cos, sin, add in chains:
         mul_cos = next(n for n in nodes if graph.name.get(n) == "aten::mul" and x in graph.inputs.get(n, ()))
+        x_shape, cos_shape = (tuple(s) for s in (shapes.get(mul_cos) or ((), ()))[:2])
+        if input_index(graph, mul_cos, x) == 1:
+            x_shape, cos_shape = cos_shape, x_shape
+        # the kernel takes x as (B, H, S, D) and cos as (B, 1, S, Dr), (B, S, Dr) or (S, Dr): positions on dim 2
+        if len(x_shape) != 4 or not (len(cos_shape) in (2, 3) or (len(cos_shape) == 4 and cos_shape[1] == 1)):
+            return "q and k are not (batch, heads, positions, dim) with cos/sin broadcast over the heads"
         mul_sin = next(n for n in nodes if graph.name.get(n) == "aten::mul" and n != mul_cos)
         refs.append((In(mul_cos, input_index(graph, mul_cos, x)), add))
         trig = [_unsqueezed(graph, mul_cos, cos, match), _unsqueezed(graph, mul_sin, sin, match)]
