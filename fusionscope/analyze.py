@@ -36,6 +36,7 @@ import numpy as np
 import pandas as pd
 
 from fusionscope import analysis, datasheets, merged_ranks, opportunities, ranks, roofline, trace_events
+from fusionscope.capture import MODULE_PREFIX
 from fusionscope.errors import UsageError
 from fusionscope.execution_trace import ET_SUFFIXES
 from fusionscope.run_folder import (
@@ -82,6 +83,10 @@ STACK_CATS = ("python_function",)  # torch.profiler(with_stack=True) writes the 
 MISSING_STEPS = "ProfilerStep markers: the whole trace is one step"
 MISSING_PHASES = f'fusionscope.phase ranges: the whole trace is one phase, "{TRACE_PHASE}"'
 MISSING_MODULES = "nn.Module ranges: kernels and ops carry no module path"
+MISSING_MODULE_NAMES = (
+    "nn.Module ranges: module paths are the Python tracer's module calls (with_stack=True), named by class and "
+    "instance (`LlamaModel_0.LlamaDecoderLayer_1.LlamaMLP_1`), not by attribute (`model.layers.1.mlp`)"
+)
 
 
 @dataclass(frozen=True)
@@ -338,6 +343,8 @@ def fill_steps_and_phases(timeline: Timeline, annotations: pd.DataFrame | None =
             missing.append(f"{outside} {what} outside every ProfilerStep range: in kernels.csv, in no phase")
     if not (ops["module"].fillna("") != "").any():
         missing.append(MISSING_MODULES)
+    elif annotations is not None and not annotations["name"].astype(str).str.startswith(MODULE_PREFIX).any():
+        missing.append(MISSING_MODULE_NAMES)  # the paths came from the Python tracer (`trace._cpu_events`)
     filled = Timeline(device_kind=timeline.device_kind, ops=ops, kernels=kernels, steps=steps)
     return filled, missing
 

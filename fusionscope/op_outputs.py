@@ -46,6 +46,7 @@ REDUCTIONS: dict[str, tuple[int, int, str | None]] = {
     "var": (1, 3, None), "std": (1, 3, None), "linalg_vector_norm": (2, 3, None), "norm": (2, 3, None),
     "count_nonzero": (1, -1, "int64"),
 }  # fmt: skip
+PIECES = ("chunk", "split", "split_with_sizes", "unbind")  # views, one per piece
 ATTENTION_PREFIXES = ("_scaled_dot_product_", "_flash_attention_forward", "_efficient_attention_forward",
                       "_cudnn_attention_forward")  # fmt: skip
 
@@ -69,11 +70,13 @@ def short_name(name: str) -> str:
     return name.removeprefix("aten::").split(".", 1)[0]
 
 
-def op_outputs(name: str, args: _Args, strided: tuple[int, ...] | None = None) -> list[Sig] | None:
+def op_outputs(name: str, args: _Args, strided: tuple[int, ...] | None = None,
+               device_kind: str = "cuda") -> list[Sig] | None:  # fmt: skip
     """The outputs of one op, or None when they cannot be told. `strided` is the size argument of the last
-    `as_strided` the op ran in the trace (what a view op returns); `args` the op's recorded arguments."""
+    `as_strided` the op ran in the trace (what a view op returns); `args` the op's recorded arguments; `device_kind`
+    where it ran ("cpu" or "cuda": a LayerNorm's statistics differ)."""
     try:
-        return _outputs(short_name(name), args, strided)
+        return _outputs(short_name(name), args, strided, device_kind)
     except (ValueError, TypeError, LookupError, ArithmeticError):  # arguments the op's rules cannot read
         return None
     except Exception as exc:  # roofline's _Malformed: arguments that do not fit the schema
@@ -97,10 +100,10 @@ def _sized(args: _Args, size: list[int] | None, base: tuple[int, ...]) -> tuple[
     return tuple(size)
 
 
-def _outputs(n: str, args: _Args, strided: tuple[int, ...] | None) -> list[Sig] | None:
+def _outputs(n: str, args: _Args, strided: tuple[int, ...] | None, device_kind: str = "cuda") -> list[Sig] | None:
     if n.endswith("_") and args.tensor(0) is not None and n not in ("resize_",):
         return [_first(args)]  # in place: the output is the written input
-    if strided is not None and args.tensor(0) is not None:
+    if strided is not None and args.tensor(0) is not None and n not in PIECES:  # one view (a split's are several)
         return [(strided, args.need(0).dtype)]
     if n in ("view", "_unsafe_view", "_reshape_alias", "reshape", "expand"):
         x = args.need(0)
@@ -138,10 +141,12 @@ def _outputs(n: str, args: _Args, strided: tuple[int, ...] | None) -> list[Sig] 
         return [(args.need(2).shape, args.need(0).dtype)]
     if n.startswith(ATTENTION_PREFIXES):
         q, v = args.need(0), args.need(2)
-        return [((*q.shape[:-1], v.shape[-1]), q.dtype)]
+        out = [((*q.shape[:-1], v.shape[-1]), q.dtype)]
+        if n == "_scaled_dot_product_flash_attention_for_cpu":  # and the logsumexp, (B, H, L_q) in fp32
+            out.append((q.shape[:-1], "float32"))
+        return out
     if n in ("native_layer_norm", "_fused_rms_norm"):
-        x = args.need(0)
-        return [(x.shape, x.dtype)]
+        return _normalized(n, args, device_kind)
     if n in ("topk", "sort"):
         x = args.need(0)
         if n == "sort":
@@ -153,7 +158,7 @@ def _outputs(n: str, args: _Args, strided: tuple[int, ...] | None) -> list[Sig] 
     if n == "multinomial":
         p = args.need(0)
         return [((*p.shape[:-1], _parse_int(args.value(1))), "int64")]
-    if n in ("chunk", "split", "split_with_sizes", "unbind"):
+    if n in PIECES:
         return _pieces(n, args)
     if n in ("zeros", "ones", "empty", "full", "rand", "randn", "empty_strided", "scalar_tensor"):
         size = () if n == "scalar_tensor" else tuple(_parse_int_list(args.value(0)) or ())
@@ -195,6 +200,18 @@ def _elementwise(n: str, args: _Args) -> Sig:
     if rule == "float" and _kind(dtype) < 2:
         dtype = _DEFAULT_FLOAT
     return shape, dtype
+
+
+def _normalized(n: str, args: _Args, device_kind: str) -> list[Sig]:
+    """A norm's output, then its per-row statistics (LayerNorm's mean and rstd; RMSNorm's rstd), of shape
+    (…, 1, …, 1) over the normalised dims: in fp32 for a half input, but for LayerNorm's on the CPU, which keeps the
+    input's dtype (as torch 2.13 does)."""
+    x = args.need(0)
+    dims = len(_parse_int_list(args.value(1)) or [x.shape[-1]])
+    layer_norm = n == "native_layer_norm"
+    full = x.dtype in ("float32", "float64") or (layer_norm and device_kind == "cpu")
+    stats = ((*x.shape[: len(x.shape) - dims], *(1,) * dims), x.dtype if full else "float32")
+    return [(x.shape, x.dtype), *[stats] * (2 if layer_norm else 1)]
 
 
 def _reduced(n: str, args: _Args) -> Sig:

@@ -13,16 +13,29 @@ chosen among those a Python program could still hold there — a value made insi
 read there is private to it: nothing outside reads it again; what a module leaves unread is what it returns — by
 these rules, in order (each is how eager PyTorch code reads; each has the Llama decoder's case that shows it):
 
-1. A view reads a variable, not a pending product of it and another tensor: `x·cos + rotate_half(x)·sin` slices
-   x, not x·cos.
+1. A view reads a variable, not a pending product of it and another tensor (of any dtype: bf16 q · fp32 cos is
+   fp32): `x·cos + rotate_half(x)·sin` slices x, not x·cos. The slices of one partition (`x[..., :r]`, then
+   `x[..., r:]`) slice one x. cos and sin in one scope take one angle (`cos = emb.cos() * s; sin = emb.sin() * s`).
 2. A value nothing has read yet, the newest first (expression temporaries are consumed last-made, first-used); but
    of unread views of different values made in one scope the oldest (`q, k, v = …; rope(q, k)`), of values one op
-   made side by side the oldest (`cos = …; sin = …`), of a sub-module's results the first.
-3. What the previous sibling module (or composite op) read at the same place: q, k and v projections read one input.
+   made side by side the oldest (`cos = …; sin = …`), of a sub-module's results the first, and a module's own view
+   of what its sub-modules returned in the order they were made (OLMo-2: `q = q_norm(q_proj(x))`, `k = …`,
+   `v = v_proj(x)`, then `q.view(…)`, `k.view(…)`, `v.view(…)`). Exceptions, where q and k share a shape: an op that
+   repeats an earlier one of its scope on another tensor does not take that op's pending result (`k·cos` after
+   `q_embed = q·cos + …` reads k), the first module call of a repeated pair takes what its twin read when the pending
+   value is the twin's result carried on and the parent reads it later itself (`k_proj(x)` after
+   `q_norm(q_proj(x))`), and a KV-cache append (a `cat` onto a tensor of another length) takes the newest pending
+   value, the second append (values) none made side by side with the first's (so k_embed, then v, not q_embed).
+3. What the previous sibling module (or composite op) read at the same place: q, k and v projections read one input;
+   what the sibling made or had already read there maps to this instance's own (`k_norm`'s `x · rsqrt` multiplies
+   the k its `pow` read, not the q `q_norm`'s did).
 4. Of values already read: one the reader's module already took in, or made itself, before one from outside it not
    yet read there (a module reads its arguments), then one it made itself before one a sub-module returned
    (`h + mlp(norm(h))` adds h, not the norm's output), then the one read longest ago (`x · rsqrt(mean(x²))`
    multiplies x, read once by `pow`, not `x²`).
+The module nesting is fusionscope's `nn.Module: <path>` ranges or, in a trace captured elsewhere with
+`with_stack=True`, the Python tracer's `nn.Module: <Class>_<N>` calls (`fusionscope.trace`); without either, only
+composite ops give scopes and the rules have far less to go on.
 An elementwise op whose inputs all have its output's shape and dtype (`h = h + attn(h)`) and an in-place op
 replace what they read. The edges can be wrong where two values share shape and dtype and these rules pick the
 wrong one, so matches on them carry a lower confidence (basis "op order"); `fusionscope.execution_trace` gives exact
@@ -31,6 +44,7 @@ edges where PyTorch's execution trace was captured beside the Kineto trace.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cache
 
 import numpy as np
@@ -45,6 +59,8 @@ BASIS_DATAFLOW = "dataflow"
 BASIS_ORDER = "op order"
 BASIS_EXECUTION_TRACE = "execution trace"
 NOT_TENSORS = frozenset({"Scalar", "ScalarList", "", "GenericList", "TensorList", "Device", "Layout", "MemoryFormat"})
+PRODUCT_WINDOW = 16  # values of one shape looked back over for a pending product (rule 1)
+ANGLE_OPS = ("aten::cos", "aten::sin")  # of one angle, side by side
 TWINNED = ("aten::cat", "aten::stack")  # made side by side by a cache update, never one into the other
 WRAPPED = ("float64", "int64")  # how the trace types a Python float or int operand of an elementwise op
 dtype_of = cache(dtype_name)  # a handful of distinct type strings, looked up once per tensor argument
@@ -94,6 +110,7 @@ class _Value:
         "modules",
         "node",
         "op",
+        "operands",
         "pos",
         "reads",
         "seen_by",
@@ -184,6 +201,15 @@ class _Segment:
         self.parent: dict[object, object] = {}
         self.name: dict[int, str] = {}
         self.signature: dict[int, tuple] = {}  # node → its tensor inputs' shapes and dtypes
+        self.made: dict[int, list[int]] = {}  # node → the ids of the values it made, in order
+        self.angle: dict[tuple, int] = {}  # scope → the value the last cos or sin in it read
+        self.appended: dict[tuple, list[_Value]] = {}  # (scope, input shapes) → what cache appends there took in
+        self.repeats: dict[tuple, set[int]] = {}  # (scope, op name, input shapes) → the nodes that ran it there
+        self.cuts: dict[int, tuple[int, int, int]] = {}  # slice node → (dim, start, end)
+        self.last_cut: dict[tuple, tuple[int, int, int]] = {}  # scope → the last slice's (dim, end, value id read)
+        # (reader node, module instance, value) → whether a node of that instance's own (not of a sub-module's)
+        # after the reader takes in a tensor of the value's shape and dtype (`infer_dataflow` looks ahead)
+        self.later_reads: Callable[[int, object, _Value], bool] | None = None
 
     def pool(self, shape: tuple, dtype: str | None, chain: tuple) -> list[_Value]:
         """Values of this shape (and dtype) the reader can still see; dead ones are dropped for good."""
@@ -208,23 +234,49 @@ class _Segment:
         unread = [v for v in pool if v.reads == 0]
         if self.name[node] in TWINNED:  # keys then values: the second cat appends the values, not the first's result
             unread = [v for v in unread if v.op != self.name[node] or self.signature[v.node] != self.signature[node]]
+        cut = self.cuts.get(node)  # rule 1: the pieces of one partition (`x[..., :r]`, then `x[..., r:]`) slice one x
+        if cut is not None and which == 0:
+            before = self.last_cut.get(chain)
+            if before is not None and before[:2] == cut[:2] and any(v.id == before[2] for v in pool):
+                return self.values[before[2]]
+        if self.name[node] in ANGLE_OPS:  # rule 1: cos and sin of one angle (rotary tables: `emb.cos() * s; emb.sin()`)
+            angle = self.angle.get(chain)
+            if angle is not None and any(v.id == angle for v in pool):
+                return self.values[angle]
+        signature = self.signature[node]
+        if self.name[node] in TWINNED and which and signature[0][0] != signature[which][0]:  # a cache append
+            appended = self.appended.setdefault((chain, signature), [])
+            twins = {(v.op, v.chain) for v in appended}
+            fresh = [v for v in unread if (v.op, v.chain) not in twins]
+            chosen = _first_newest(fresh)
+            if chosen is not None:
+                appended.append(chosen)
+                return chosen
         newest = _first_newest(unread)
-        if view and newest is not None and newest.elementwise and not newest.view:  # rule 1
-            ids = {v.id for v in pool}
-            source = next((self.values[d] for d in newest.derived if d in ids), None)
-            if source is not None:
-                return source
+        if view:  # rule 1, the pending product of any dtype (bf16 q · fp32 cos is fp32): its operand of this dtype
+            product = self.pending_product(pool[0].shape, chain, newest)
+            if product is not None:
+                ids = {v.id for v in pool}
+                source = next((self.values[d] for d in product.operands if d in ids), None)
+                if source is not None:
+                    return source
         if newest is not None:  # rule 2
+            depth = _common(newest.modules, modules)
+            if view and len(newest.modules) > depth == len(modules):  # a module's own view of what its sub-modules
+                # returned: in the order they were made (OLMo-2's `q_norm(…)`, `k_norm(…)`, `v_proj(…)`, then q.view)
+                call = next(v.modules[depth] for v in unread if len(v.modules) > depth and v.modules[:depth] == modules)
+                return next(v for v in unread if len(v.modules) > depth and v.modules[depth] == call)
             if newest.view:  # of views of different values made in one scope, the oldest; of one value's, the newest
                 views = [v for v in unread if v.view and v.chain == newest.chain]
                 return next(v for v in views if v is newest or v.source != newest.source)  # the oldest: pools are in
                 # the order values were made
-            depth = _common(newest.modules, modules)
             if len(newest.modules) > depth:  # returned by a module the reader is outside of: its results in order
                 call = newest.modules[depth]
-                return next(v for v in unread if len(v.modules) > depth and v.modules[depth] == call)
+                returned = next(v for v in unread if len(v.modules) > depth and v.modules[depth] == call)
+                return self.pending(node, which, chain, pool, returned, call) or returned
             # values made side by side by one op in one scope (cos and sin, keys and values) are read in order
-            return next(v for v in unread if v.op == newest.op and v.chain == newest.chain)
+            side = next(v for v in unread if v.op == newest.op and v.chain == newest.chain)
+            return self.repeated(node, chain, unread, side) or side
         analog = self.analog(node, which, chain, {v.id for v in pool})  # rule 3
         if analog is not None:
             return analog
@@ -238,9 +290,63 @@ class _Segment:
 
         return min(pool, key=rank)
 
+    def pending_product(self, shape: tuple, chain: tuple, newest: _Value | None) -> _Value | None:
+        """The newest unread product of two tensors of this shape, in any dtype, that the reader can see, where it
+        is at least as new as `newest` (the newest unread value of the reader's own shape and dtype); among the last
+        `PRODUCT_WINDOW` values of that shape (a pending temporary is a recent one)."""
+        listed = self.by_shape.get(shape, [])
+        for v in reversed(listed[-PRODUCT_WINDOW:]):
+            if newest is not None and v.pos < newest.pos:
+                return None
+            m = v.max_shared
+            if v.reads or v.superseded or (m and v.chain[:m] != chain[:m]):
+                continue
+            return v if v.elementwise and not v.view and v.operands else None
+        return None
+
+    def repeated(self, node: int, chain: tuple, unread: list[_Value], candidate: _Value) -> _Value | None:
+        """Rule 2's exception for an op that repeats an earlier one of its scope (same name, same input shapes) on
+        another tensor: not a value made from that op's result, but the oldest unread view made from none
+        (`q·cos + rotate_half(q)·sin`, then `k·cos`: k, not the pending q_embed, where q and k share a shape)."""
+        earlier = self.repeats.get((chain, self.name[node], self.signature[node]))
+        if not earlier or not self.descends(candidate, earlier):
+            return None
+        return next((v for v in unread if v.view and v.chain == chain and not self.descends(v, earlier)), None)
+
+    def descends(self, value: _Value, nodes: set[int], depth: int = 8) -> bool:
+        """Whether `value` was made by one of `nodes`, or from one of their results by elementwise ops of its shape
+        (`derived`), within `depth` links."""
+        if value.node in nodes:
+            return True
+        return depth > 0 and any(self.descends(self.values[d], nodes, depth - 1) for d in value.derived)
+
+    def pending(self, node: int, which: int, chain: tuple, pool: list[_Value], returned: _Value,
+                call: object) -> _Value | None:  # fmt: skip
+        """Rule 2's exception: the value rule 3 gives (what the earlier sibling that ran this op here read), where
+        the unread value a sibling module `call` returned is that earlier sibling's result carried on, and the parent
+        module itself reads a value of its shape and dtype later: a result held in a variable, not this call's
+        argument (OLMo-2's `q = q_norm(q_proj(x)); k = k_norm(k_proj(x))`: k_proj reads x while q waits for the
+        attention's `view`). None where that is not so."""
+        found = self.analog_of(node, which, chain, {v.id for v in pool})
+        if found is None or found[0] is returned or self.parent.get(found[1]) != self.parent.get(call):
+            return None
+        value, sibling = found
+        made = set(self.instance_nodes[sibling])
+        if not any(r >= 0 and self.values[r].node in made for n in self.instance_nodes[call] for r in self.chosen[n]):
+            return None  # `call` did not take in the sibling's result: not that sibling's result carried on
+        parent = self.parent.get(call)
+        if parent is None or self.later_reads is None or not self.later_reads(node, parent, returned):
+            return None
+        return value
+
     def analog(self, node: int, which: int, chain: tuple, ids: set[int]) -> _Value | None:
         """What the node at the same place in the nearest earlier sibling instance that ran the same op there read
         (innermost level first): `up_proj` reads what `gate_proj` read, past the `act_fn` between them."""
+        found = self.analog_of(node, which, chain, ids)
+        return found[0] if found is not None else None
+
+    def analog_of(self, node: int, which: int, chain: tuple, ids: set[int]) -> tuple[_Value, object] | None:
+        """`analog`, with the sibling instance it followed."""
         for level in range(len(chain) - 1, -1, -1):
             instance = chain[level]
             siblings = self.children.get(self.parent.get(instance), [])
@@ -249,10 +355,30 @@ class _Segment:
                 theirs = self.instance_nodes[earlier]
                 if offset < len(theirs) and self.name[theirs[offset]] == self.name[node]:
                     read = self.chosen.get(theirs[offset], [])
-                    if which < len(read) and read[which] in ids:
-                        return self.values[read[which]]
+                    if which < len(read) and read[which] >= 0:
+                        mine = self.counterpart(read[which], theirs[:offset], self.instance_nodes[instance])
+                        if mine in ids:
+                            return self.values[mine], earlier
                     break
         return None
+
+    def counterpart(self, vid: int, theirs: list[int], ours: list[int]) -> int:
+        """The value that plays, for this instance's nodes `ours`, the part `vid` played for the sibling's nodes
+        `theirs` (the sibling's nodes before the reader): one the sibling made or had already read there is this
+        instance's own (`k_norm`'s `x · rsqrt` multiplies the k its `pow` read, not the q `q_norm`'s did); any
+        other is what the sibling took in from outside, which this instance reads too (q, k and v read one input)."""
+        made = self.values[vid].node
+        for j, theirs_node in enumerate(theirs):
+            if theirs_node == made:  # made by the sibling: the output of this instance's node at that place
+                k = self.made[made].index(vid)
+                own = self.made.get(ours[j], []) if j < len(ours) else []
+                return own[k] if k < len(own) else -1
+            read = self.chosen.get(theirs_node, [])
+            if vid in read:  # read earlier by the sibling: what this instance read at that place
+                own = self.chosen.get(ours[j], []) if j < len(ours) else []
+                w = read.index(vid)
+                return own[w] if w < len(own) else -1
+        return vid
 
     def add_instance(self, chain: tuple, node: int) -> None:
         for level, instance in enumerate(chain):
@@ -269,9 +395,11 @@ class _Segment:
             binary = elementwise and len(read) >= 2  # a product of two tensors (x·cos), not x + 1
             derived = tuple(r.id for r in read if r is not None and (r.shape, r.dtype) == sig) if binary else ()
             value = _Value(len(self.values), node, self.name[node], sig, chain, view, elementwise, derived, modules)
+            value.operands = tuple(r.id for r in read if r is not None and r.shape == sig[0]) if binary else ()
             if view and read and read[0] is not None:
                 value.source = read[0].id
             self.values.append(value)
+            self.made.setdefault(node, []).append(value.id)
             self.by_sig.setdefault(sig, []).append(value)
             self.by_shape.setdefault(sig[0], []).append(value)
 
@@ -320,6 +448,19 @@ def node_ops(ops: pd.DataFrame, device_kind: str) -> pd.DataFrame:
     )
 
 
+def _cut(concrete: object, rank: int) -> tuple[int, int, int] | None:
+    """A slice's (dim, start, end) from its recorded arguments (`slice(x, dim, start, end, step)`), dim counted
+    from the front; None where they are not numbers."""
+    from fusionscope.roofline import _parse_int
+
+    if not isinstance(concrete, list | tuple) or len(concrete) < 4 or not rank:
+        return None
+    dim, start, end = (_parse_int(concrete[k]) for k in (1, 2, 3))
+    if dim is None or start is None or end is None:
+        return None
+    return dim % rank, start, end
+
+
 def _size(concrete: object) -> tuple[int, ...] | None:
     from fusionscope.roofline.args import _parse_int_list
 
@@ -364,27 +505,52 @@ def infer_dataflow(ops: pd.DataFrame, device_kind: str) -> pd.DataFrame:
     concrete = nodes["concrete_inputs"].tolist() if "concrete_inputs" in nodes else [None] * n
     chains = _chains([m if isinstance(m, str) else "" for m in cols["module"]], nodes["composites"].tolist())
     rows = []
-    arguments = _Arguments()
+    arguments = _Arguments(device_kind)
     facts: dict[str, tuple[bool, str, bool]] = {}  # op name → (view, short name, elementwise)
     producer_of: dict[tuple[int, int], int] = {}  # (segment, value id) → node id
+
+    def fact(name: str) -> tuple[bool, str, bool]:
+        if name not in facts:
+            short = short_name(name)
+            facts[name] = (schema_facts(name, device_kind)[1], short,
+                           short in _ELEMENTWISE or short.removesuffix("_") in _ELEMENTWISE)  # fmt: skip
+        return facts[name]
+
+    def later_reads(reader: int, instance: object, value: _Value) -> bool:
+        """Whether a node of `instance`'s own after `reader` (in its step and thread) takes in a tensor of `value`'s
+        shape and dtype."""
+        where = (cols["step"][reader], cols["tid"][reader])
+        for j in range(reader + 1, n):
+            if (cols["step"][j], cols["tid"][j]) != where or instance not in chains[j]:
+                return False
+            if _modules(chains[j])[-1:] != (instance,):
+                continue
+            view_j, _short, elementwise_j = fact(cols["name"][j])
+            strided_j = cols["strided"][j] if view_j else None
+            taken = arguments.of(cols["name"][j], dims[j], types[j], concrete[j], strided_j, elementwise_j)[0]
+            if any(shape == value.shape and dtype in (None, value.dtype) for shape, dtype in taken):
+                return True
+        return False
+
     segment, key = _Segment(), None
     segments = 0
     for i in range(n):
         name = cols["name"][i]
         if (cols["step"][i], cols["tid"][i]) != key:
             segment, key, segments = _Segment(), (cols["step"][i], cols["tid"][i]), segments + 1
+            segment.later_reads = later_reads
         chain = chains[i]
         modules = _modules(chain)
         segment.add_instance(chain, i)
         segment.name[i] = name
-        if name not in facts:
-            short = short_name(name)
-            facts[name] = (schema_facts(name, device_kind)[1], short,
-                           short in _ELEMENTWISE or short.removesuffix("_") in _ELEMENTWISE)  # fmt: skip
-        view, short, elementwise = facts[name]
+        view, short, elementwise = fact(name)
         strided = cols["strided"][i] if view else None
         tensors, others, made = arguments.of(name, dims[i], types[i], concrete[i], strided, elementwise)
         segment.signature[i] = tuple(tensors)
+        if name == "aten::slice" and tensors:
+            cut = _cut(concrete[i], len(tensors[0][0]))
+            if cut is not None:
+                segment.cuts[i] = cut
         read: list[_Value | None] = []
         for which, (shape, dtype) in enumerate(tensors):
             pool = segment.pool(shape, dtype, chain)
@@ -396,6 +562,13 @@ def infer_dataflow(ops: pd.DataFrame, device_kind: str) -> pd.DataFrame:
                 for j, v in zip(slots, sorted((read[j] for j in slots), key=lambda v: v.pos)):
                     read[j] = v
         segment.chosen[i] = [v.id if v is not None else -1 for v in read]
+        if name in ANGLE_OPS and read and read[0] is not None:
+            segment.angle[chain] = read[0].id
+        if elementwise and len(tensors) >= 2:
+            segment.repeats.setdefault((chain, name, segment.signature[i]), set()).add(i)
+        if i in segment.cuts and read and read[0] is not None:
+            dim, _start, end = segment.cuts[i]
+            segment.last_cut[chain] = (dim, end, read[0].id)
         for v in {id(v): v for v in read if v is not None}.values():
             v.reads += 1
             v.last_read = i
@@ -431,7 +604,8 @@ class _Arguments:
     decoded by `trace_events` shares one list object per distinct argument list, so the lookup is by identity
     first and by text (`repr`) only for an object not seen before."""
 
-    def __init__(self) -> None:
+    def __init__(self, device_kind: str = "cuda") -> None:
+        self.device_kind = device_kind  # where a LayerNorm's statistics stay in a half input's dtype (the CPU)
         self.by_text: dict[tuple, tuple] = {}
         self.by_identity: dict[tuple, tuple] = {}  # valid while the argument lists are alive (the caller's)
 
@@ -447,7 +621,12 @@ class _Arguments:
                 listed = [v if isinstance(v, list | tuple) else [] for v in (dims, types, concrete)]
                 made = []  # without recorded shapes (`record_shapes=False`): no arguments, no outputs to derive
                 if isinstance(dims, list | tuple):
-                    made = op_outputs(name, Arguments(listed[0], listed[1], listed[2], "float32"), strided) or []
+                    made = (
+                        op_outputs(
+                            name, Arguments(listed[0], listed[1], listed[2], "float32"), strided, self.device_kind
+                        )
+                        or []
+                    )
                 known = self.by_text[text] = (tensors, others, made)
             self.by_identity[identity] = known
         return known

@@ -2,7 +2,9 @@
 
 HTA does the parsing (one rank per file, or a folder of ranks). fusionscope then joins, in one sweep per CPU thread:
 every CPU event inherits the innermost enclosing `ProfilerStep#N`, `fusionscope.phase:<name>` and
-`nn.Module: <path>` ranges and its innermost enclosing aten op; every GPU kernel is joined to its launching aten op by
+`nn.Module: <path>` ranges (in a trace without those, captured elsewhere with `with_stack=True`, the Python tracer's
+`nn.Module: <Class>_<N>` calls, joined into a path: `LlamaModel_0.LlamaDecoderLayer_1.LlamaMLP_1`) and its innermost
+enclosing aten op; every GPU kernel is joined to its launching aten op by
 `External id` (equal to the innermost `cpu_op`'s), and to step/phase/module through that op — or, for kernels launched
 outside any aten op (Triton through `cuLaunchKernel`), through the runtime call that launched it (`correlation`).
 On CPU-only traces there are no kernels: the aten ops are the timeline, each with its self time.
@@ -24,6 +26,7 @@ from fusionscope.trace_fields import to_int
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 CPU_CATS = ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver")
+PYTHON_CAT = "python_function"  # with_stack=True: Python frames, and `nn.Module: <Class>_<N>` for each module call
 OP_COLUMNS = [
     "rank",
     "op_id",
@@ -139,7 +142,7 @@ def load_timeline(path: Path) -> Timeline:
 def _join_rank(rank: int, df: pd.DataFrame, symbols: list[str]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     sym = np.asarray(symbols, dtype=object)
     df = df.assign(name_s=sym[df["name"].to_numpy()], cat_s=sym[df["cat"].to_numpy()])
-    cpu = df[df["cat_s"].isin(CPU_CATS)].sort_values(["tid", "ts", "dur"], ascending=[True, True, False])
+    cpu = df[_cpu_events(df, symbols)].sort_values(["tid", "ts", "dur"], ascending=[True, True, False])
     context = _sweep(cpu)
     cpu = cpu.assign(**context)
 
@@ -182,6 +185,17 @@ def _join_rank(rank: int, df: pd.DataFrame, symbols: list[str]) -> tuple[pd.Data
     gpu = df[df["cat_s"].isin(GPU_CATS)]
     kernels = _join_kernels(rank, gpu, ops, cpu)
     return ops, kernels, steps
+
+
+def _cpu_events(df: pd.DataFrame, symbols: list[str]) -> pd.Series:
+    """The CPU events the sweep walks: `CPU_CATS`, and the Python tracer's `nn.Module: <Class>_<N>` calls
+    (`with_stack=True`) where the trace has no `nn.Module: <path>` ranges of fusionscope's own."""
+    cpu = df["cat_s"].isin(CPU_CATS)
+    named = np.array([isinstance(s, str) and s.startswith(MODULE_PREFIX) for s in symbols] + [False])
+    module_event = named[df["name"].to_numpy()]  # by symbol id: each distinct name tested once
+    if (module_event & (df["cat_s"] == "user_annotation").to_numpy()).any():
+        return cpu
+    return cpu | (module_event & (df["cat_s"] == PYTHON_CAT).to_numpy())
 
 
 def _sweep(cpu: pd.DataFrame) -> dict[str, np.ndarray]:
@@ -228,6 +242,9 @@ def _sweep(cpu: pd.DataFrame) -> dict[str, np.ndarray]:
                     phase_inner[step_row[(current_tid, s)]] = p
             elif name.startswith(MODULE_PREFIX):
                 m = name[len(MODULE_PREFIX) :]
+        elif cat == PYTHON_CAT:  # the Python tracer's module call (`_cpu_events`): its class and instance number
+            call = names[i][len(MODULE_PREFIX) :]
+            m = f"{m}.{call}" if m else call
         elif cat == "cpu_op":
             op = idx[i]
         if ends[i] > starts[i] or cat != "cuda_runtime":

@@ -96,8 +96,9 @@ def find(graph: Graph) -> list[Match]:
             continue
         phase, step = graph.where(node)
         query = (shapes.get(node) or ((),))[0]
-        # a captured graph ("graph", `fusionscope.apply.rewrite`) is judged by its shapes alone
-        if phase not in ("decode", "graph") or not _one_position(graph, node, query, shapes):
+        # a captured graph ("graph", `fusionscope.apply.rewrite`) and a trace without fusionscope's phase ranges (one
+        # phase, "trace": `fusionscope.analyze`, prefill and decode steps alike) are judged by their shapes alone
+        if phase not in ("decode", "graph", "trace") or not _one_position(graph, node, query, shapes):
             continue
         module = graph.module[node]
         group = {node}

@@ -30,7 +30,8 @@ KERNEL = "fuse_linears"
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo2")
 TITLE = "gate and up projections on one input → one GEMM"
 
-PROJECTION = re.compile(r"^(?P<parent>.+\.mlp)\.(?:gate|up)_proj$")
+# attribute paths, or the Python tracer's class instances (`…LlamaMLP_0.Linear_4`: its Linears that read one input)
+PROJECTION = re.compile(r"^(?P<parent>.+\.mlp|.+\.\w*MLP_\d+)\.(?:gate_proj|up_proj|\w*Linear\w*_\d+)$")
 
 
 def find(graph: Graph) -> list[Match]:

@@ -38,7 +38,9 @@ KERNEL = "fuse_linears"
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo2", "starcoder2")
 TITLE = "q/k/v projections on one input → one GEMM"
 
-PROJECTION = re.compile(r"^(?P<parent>.+\.self_attn)\.[^.]+_proj$")
+# attribute paths (fusionscope's module ranges), or the Python tracer's class instances (a trace captured elsewhere
+# with `with_stack=True`: `…LlamaAttention_0.Linear_1`)
+PROJECTION = re.compile(r"^(?P<parent>.+\.self_attn|.+\.\w*Attention\w*_\d+)\.(?:[^.]+_proj|\w*Linear\w*_\d+)$")
 GEMMS = {"aten::mm": (0, 1), "aten::addmm": (1, 2)}  # operand index of the activation and of the weight
 
 
