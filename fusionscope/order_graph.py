@@ -451,7 +451,7 @@ def node_ops(ops: pd.DataFrame, device_kind: str) -> pd.DataFrame:
 def _cut(concrete: object, rank: int) -> tuple[int, int, int] | None:
     """A slice's (dim, start, end) from its recorded arguments (`slice(x, dim, start, end, step)`), dim counted
     from the front; None where they are not numbers."""
-    from fusionscope.roofline import _parse_int
+    from fusionscope.roofline.args import _parse_int
 
     if not isinstance(concrete, list | tuple) or len(concrete) < 4 or not rank:
         return None
