@@ -226,6 +226,17 @@ def _module_stack(root: torch.nn.Module, stack: list[str]) -> contextlib.Abstrac
     return capture.around_modules(root, stack.append, lambda: stack.pop() if stack else None)
 
 
+def node_frame(rows: list[tuple]) -> pd.DataFrame:
+    """The recorder's rows as the node table (NODE_COLUMNS), each node's consumers filled in."""
+    consumers: list[list[int]] = [[] for _ in rows]
+    for row in rows:
+        for p in set(row[5]):
+            if p >= 0:
+                consumers[p].append(row[0])
+    frame = pd.DataFrame([(*row[:11], tuple(c), *row[11:]) for row, c in zip(rows, consumers)], columns=NODE_COLUMNS)
+    return frame.astype({"node": np.int64, "step": np.int64, "is_view": bool, "inplace": bool})
+
+
 def record_dataflow(workload: Workload) -> pd.DataFrame:
     """Run the workload's sequence once under the recorder; one row per dispatched aten op (columns: NODE_COLUMNS).
 
@@ -248,17 +259,7 @@ def record_dataflow(workload: Workload) -> pd.DataFrame:
     with _module_stack(workload.module, recorder.module_stack), recorder:
         capture.run_sequence(workload, run_step)
     elapsed = time.perf_counter() - t0
-    rows = recorder.rows
-    consumers: list[list[int]] = [[] for _ in rows]
-    for row in rows:
-        for p in set(row[5]):
-            if p >= 0:
-                consumers[p].append(row[0])
-    frame = pd.DataFrame(
-        [(*row[:11], tuple(c), *row[11:]) for row, c in zip(rows, consumers)],
-        columns=NODE_COLUMNS,
-    )
-    frame = frame.astype({"node": np.int64, "step": np.int64, "is_view": bool, "inplace": bool})
+    frame = node_frame(recorder.rows)
     frame.attrs["record_s"] = elapsed
     return frame
 

@@ -289,6 +289,16 @@ def _profiled(name: str, decoder: StaticDecoder) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
 
 
+def _first_calls(peer: StaticDecoder) -> float:
+    """Seconds of a compiled peer's prefill and first three steps (compile, record, replay)."""
+    t0 = time.perf_counter()
+    peer.prefill()
+    for _ in range(3):
+        peer.step()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def run_graphs(workload: Any, fusions_by_variant: dict[str, list[str]], enter: Callable[[list[str]], Any],
                ref: numerics.Reference, ref32: numerics.Reference, eager_vs_fp32: dict,
                real_weights: bool, repeats: int, roofs: dict | None, eager_ms: float | None,
@@ -317,12 +327,7 @@ def run_graphs(workload: Any, fusions_by_variant: dict[str, list[str]], enter: C
         note("torch.compile (reduce-overhead) of the unpatched model: compiling")
         try:
             peer = StaticDecoder(model, ids, steps, forward=compiled_forward(model))
-            t0 = time.perf_counter()
-            peer.prefill()
-            for _ in range(3):  # compile, record, replay
-                peer.step()
-            torch.cuda.synchronize()
-            compile_seconds = time.perf_counter() - t0
+            compile_seconds = _first_calls(peer)
             makers[COMPILE] = (nullcontext, lambda: peer, False)
         except Exception as exc:  # the peer failing to compile is reported, not fatal
             compile_failed = (
@@ -337,12 +342,7 @@ def run_graphs(workload: Any, fusions_by_variant: dict[str, list[str]], enter: C
         try:
             forward, rewritten = rewrite.compile_fused(model, fused_sites)
             fused_peer = StaticDecoder(model, ids, steps, forward=forward)
-            t0 = time.perf_counter()
-            fused_peer.prefill()
-            for _ in range(3):  # compile, record, replay
-                fused_peer.step()
-            torch.cuda.synchronize()
-            fused_compile_seconds = time.perf_counter() - t0
+            fused_compile_seconds = _first_calls(fused_peer)
             fused_compile_fusions = sorted(f for f, paths in rewritten.items() if "" in paths.values())
             makers[FUSED_COMPILE] = (nullcontext, lambda: fused_peer, False)
         except Exception as exc:  # reported, not fatal

@@ -163,15 +163,7 @@ def trace_dataflow(gm: fx.GraphModule, fakes: tuple[Any, list[Any], list[bool]],
 
     with fake_mode, recorder, torch.inference_mode(False), torch.no_grad():
         _Run(gm).run(*inputs)
-    rows = recorder.rows
-    consumers: list[list[int]] = [[] for _ in rows]
-    for row in rows:
-        for p in set(row[5]):
-            if p >= 0:
-                consumers[p].append(row[0])
-    frame = pd.DataFrame([(*row[:11], tuple(c), *row[11:]) for row, c in zip(rows, consumers)],
-                         columns=dataflow.NODE_COLUMNS)  # fmt: skip
-    frame = frame.assign(step=0, phase="graph", op_id=-1)
+    frame = dataflow.node_frame(recorder.rows).assign(step=0, phase="graph", op_id=-1)
     output_fx: dict[int, fx.Node | None] = {}
     for row, outs in recorder.row_outputs.items():
         output_fx[row] = recorder.fx_of.get(id(outs[0])) if outs else None
