@@ -17,25 +17,14 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 
 from fusionscope.kernel_names import short_kernel_name
+from fusionscope.roofline.opcost import CATEGORIES
 
 from .formatting import as_float, fmt_num, fmt_pct
 from .grouping import ModuleTree, RooflinePoints
 
 BOUND_ORDER = ("compute", "memory", "latency", "unmodeled")
 BOUND_COLOURS = {"compute": "#d95f02", "memory": "#1b9e77", "latency": "#7570b3", "unmodeled": "#9e9e9e"}
-CATEGORY_ORDER = (
-    "gemm",
-    "attention",
-    "norm",
-    "softmax",
-    "elementwise",
-    "reduction",
-    "embedding",
-    "copy",
-    "sampling",
-    "view",
-    "other",
-)
+CATEGORY_ORDER = CATEGORIES  # the roofline's categories, in its order
 _CATEGORY_COLOURS = dict(zip(CATEGORY_ORDER, qualitative.Safe, strict=True))
 _EXTRA_COLOURS = qualitative.Pastel
 _FONT = "system-ui, -apple-system, 'Segoe UI', Roboto, sans-serif"
