@@ -162,8 +162,11 @@ def _decode_attention_kernel(
         n_mask = pos < hi
         tile_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_base + pos[:, None] * stride_ks + d[None, :] * stride_kd, mask=tile_mask, other=0.0)
+        # V's load goes out with K's, before the scores: the two reads overlap instead of V waiting on the softmax
+        v = tl.load(v_base + pos[:, None] * stride_vs + d[None, :] * stride_vd, mask=tile_mask, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
+            v = v.to(tl.float32)
         if USE_DOT:
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         else:
@@ -173,9 +176,6 @@ def _decode_attention_kernel(
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + pos[:, None] * stride_vs + d[None, :] * stride_vd, mask=tile_mask, other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
         if USE_DOT:
             pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         else:
@@ -259,14 +259,20 @@ def schedule(batch: int, heads: int, kv_heads: int, s_max: int, device: torch.de
     head_blocks = cdiv(groups, block_g)
     block_n = max(_DOT_ROWS, pow2(int(SCHEDULE["BLOCK_N"])))
     splits = int(SCHEDULE["splits"])
-    if splits <= 0:
+    forced = splits > 0
+    if not forced:
         programs = batch * kv_heads * head_blocks
         sms = sm_count(device.index or 0) if device.type == "cuda" else 1
         splits = 1
         if programs < sms and s_max > int(SCHEDULE["single_split_up_to"]):
             wanted = cdiv(int(SCHEDULE["programs_per_sm"]) * sms, programs)
             splits = max(1, min(wanted, s_max // int(SCHEDULE["min_split_len"])))
-    chunk = cdiv(cdiv(s_max, splits), block_n) * block_n
+    # whole tiles per split: a forced count rounds up (at most that many splits); the rule's count rounds down, so
+    # that there are at least as many splits as it wanted (rounding up made 580 rows in 9 wanted splits 5 splits of
+    # 128 rows)
+    per_split = cdiv(s_max, splits)
+    rounded_up = forced or splits == 1
+    chunk = cdiv(per_split, block_n) * block_n if rounded_up else max(block_n, per_split // block_n * block_n)
     return Schedule(block_g, head_blocks, use_dot, block_n, cdiv(s_max, chunk), chunk)
 
 

@@ -26,8 +26,8 @@ FAMILIES = ["tiny-llama", "tiny-phi3", "tiny-olmo2", "tiny-qwen3", "tiny-neox", 
 BIND = {name for name, module in fusion_modules().items() if hasattr(module, "bind")}
 # words of the layout patchers' refusals: a graph patch never gives up because of a forward's source
 LAYOUT_WORDS = ("layout", "differs from", "is not a layout", "Llama-shape")
-KERNELS = ["rms_norm", "add_rms_norm", "silu_and_mul", "gelu_and_mul", "rope", "linear_act", "add_layer_norm",
-           "decode_attention"]  # fmt: skip
+KERNELS = ["rms_norm", "add_rms_norm", "silu_and_mul", "gelu_and_mul", "rope", "rope_and_cache", "linear_act",
+           "add_layer_norm", "decode_attention"]  # fmt: skip
 
 
 def test_the_catalogue_binds_the_documented_fusions() -> None:
@@ -183,6 +183,8 @@ def test_every_bind_fusion_including_decode_attention_on_a_static_cache(family: 
         test = numerics.reference(model, ids, 2, cache="static")
         layers = len(sites["decode_attention"])
         assert calls["decode_attention"] == 2 * layers  # two decode steps, one launch per attention layer
+        # rope takes the static cache's writes of k and v: one rope_and_cache per layer and forward (prefill too)
+        assert calls["rope_and_cache"] == 3 * layers and calls["rope"] == 0, calls
     fig = numerics.compare(test, ref)
     assert fig["max_abs"] <= 1e-4 * max(1.0, fig["ref_scale"]) and fig["tokens_equal"] == 1.0, fig
 
@@ -497,6 +499,38 @@ def test_rope_on_positions_by_heads_is_refused_not_misread() -> None:
     r, ref, got = graph_patch(model, torch.randn(2, 4, 32))  # S == H == 4: a misread layout would still run
     assert "rope" not in r.applied and "positions" in r.skipped.get("rope", ""), (r.applied, r.skipped)
     assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("family", ["tiny-phi3", "tiny-neox"])
+def test_partial_rotarys_split_and_rejoin_go_with_the_rope(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Phi-3 (Dr = D, an empty pass-through) and GPT-NeoX (Dr = D/4) split q and k, rotate the first part and `cat`
+    the rest back on. The rope call takes the whole q and k, so per layer its 4 cats go (rotate_half's two and the
+    two re-joins), where a rope that left the re-join would take only 2; the DynamicCache's appends and the rotary
+    table's cat stay."""
+    from fusionscope.apply import rewrite
+
+    counts: list[tuple[int, int]] = []
+    original = rewrite.rewrite_graph
+
+    def cats(gm: torch.fx.GraphModule) -> int:
+        return sum(n.op == "call_function" and n.target in (torch.cat, torch.concat) for n in gm.graph.nodes)
+
+    def counted(gm: torch.fx.GraphModule, *args, **kwargs) -> None:
+        before = cats(gm)
+        original(gm, *args, **kwargs)
+        counts.append((before, cats(gm)))
+
+    monkeypatch.setattr(rewrite, "rewrite_graph", counted)
+    model, ids = lm(family)
+    ref_prefill, ref_decode, token = prefill_and_decode(model, ids)
+    sites = find_sites(model)["rope"]
+    layers = len(sites)
+    with patch(model) as r:
+        assert set(r.applied["rope"]) == set(sites)
+        prefill, decode, _ = prefill_and_decode(model, ids, token)
+    assert counts and all(before - after == 4 * layers for before, after in counts), (counts, layers)
+    assert_logits_close(prefill, ref_prefill)
+    assert_logits_close(decode, ref_decode)
 
 
 class Weightless(ChainNorm):

@@ -218,6 +218,7 @@ def replace_group(gm: fx.GraphModule, traced: Traced, binding: Binding, taken: d
     for n in group - set(outputs):
         if any(u not in group for u in n.users):
             return f"an intermediate of the group ({n.name}) is read outside it"
+    _hoist_late_inputs(gm, args, group, outputs)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     readers = [u for o in outputs for u in o.users if u not in group]
     first_reader = min((order[u] for u in readers), default=len(order))
@@ -245,6 +246,46 @@ def replace_group(gm: fx.GraphModule, traced: Traced, binding: Binding, taken: d
     taken.update(dict.fromkeys(group))
     taken.update(zip(outputs, results))
     return ""
+
+
+def _in_place(node: fx.Node) -> bool:
+    """A call that may write to what it reads: a `*_` method or function (`add_`, `index_copy_`), a setitem, a
+    module call (unknown)."""
+    if node.op == "call_module":
+        return True
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or node.target in (operator.setitem, operator.iadd)
+
+
+def _hoist_late_inputs(gm: fx.GraphModule, args: list[Any], group: set[fx.Node], outputs: list[fx.Node]) -> None:
+    """Move the pure calls that make an input only after the group's outputs are first read up to just before that
+    reader, so that one call can take the group's place: transformers 5.24's StaticLayer allocates its buffers and
+    computes the write positions lazily, inside the captured graph, after OLMo-2's rope has cast its results
+    (`q_embed.to(dtype)`), where the rope and the cache write become one call. Nothing moves when a call in place
+    (or a module call) lies between, or an input comes from the group or from anything but plain calls."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    readers = [u for o in outputs for u in o.users if u not in group]
+    if not readers:
+        return
+    first = min(readers, key=order.__getitem__)
+    need: set[fx.Node] = set()
+    stack = [a for a in args if isinstance(a, fx.Node) and order[a] > order[first]]
+    while stack:
+        node = stack.pop()
+        if node in need or order[node] < order[first]:
+            continue
+        if node in group or node.op not in ("call_function", "call_method", "get_attr") or _in_place(node):
+            return
+        need.add(node)
+        stack.extend(node.all_input_nodes)
+    if not need:
+        return
+    last = max(order[n] for n in need)
+    between = [n for n in list(gm.graph.nodes)[order[first] : last] if n not in need]
+    if any(_in_place(n) for n in between):
+        return
+    for node in sorted(need, key=order.__getitem__):
+        first.prepend(node)
 
 
 def _storage(t: Any) -> int | None:

@@ -110,6 +110,10 @@ class Graph:
 # ------------------------------------------------------------------------------------------------------------ binding
 
 
+# how transformers' StaticLayer writes a token's K and V rows into its buffers (`index_copy_` along the positions)
+CACHE_WRITES = ("aten::index_copy_", "aten::index_copy")
+
+
 @dataclass(frozen=True)
 class In:
     """Tensor input `index` (in the order the recorder lists an op's tensors) of the group's node `node`."""

@@ -35,7 +35,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from fusionscope.apply.patcher import Patcher, Support
-from fusionscope.fusions.base import Binding, Graph, In, Match
+from fusionscope.fusions.base import CACHE_WRITES, Binding, Graph, In, Match
 
 if TYPE_CHECKING:
     from fusionscope.bench.cases import Case
@@ -108,9 +108,6 @@ def find(graph: Graph) -> list[Match]:
         rejected = "an expanded k or v is read outside the attention" if escaping else ""
         matches.append(Match(KEY, phase, step, tuple(sorted(group)), module, escaping=escaping, rejected=rejected))
     return matches
-
-
-CACHE_WRITES = ("aten::index_copy_", "aten::index_copy")
 
 
 def _cache_input(graph: Graph, match: Match, node: int, which: int) -> tuple[In, int]:

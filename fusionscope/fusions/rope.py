@@ -17,17 +17,20 @@ and K kv heads), rope part only: unfused ≈ 14·(H + K)·d·s (mul, 2 slices re
 writes), fused (H + K)·d·s read + (H + K)·d·s written + cos/sin.
 
 Not in the group (misses): the cos/sin generation in `model.rotary_emb` (arange/mul/cat/cos/sin/casts, once per step
-and shared by all layers), the q/k/v projections and head-split views before the chains, partial-rotary models
-(`rotary_dim < head_dim`: an extra slice/cat around the chain), GPT-NeoX/GPT-J interleaved rotation, Qwen3's q/k
-norms before the rope, and caches that write with `index_copy_`/`copy_` (StaticCache) — those stay separate ops.
+and shared by all layers), the q/k/v projections and head-split views before the chains, partial rotary's split
+and re-join (`X[..., :Dr]`, `cat([rotated, X[..., Dr:]], -1)`: an extra copy per tensor, which the estimate leaves
+out, so it under-counts the win there; the graph patch does take it, see `bind`), GPT-NeoX/GPT-J interleaved
+rotation, Qwen3's q/k norms before the rope, and caches that write with `index_copy_`/`copy_` (StaticCache) — those
+stay separate ops. (The split stays out of the match because analyze's op-order inference cannot yet tell which of
+a fused qkv projection's three equal-width slices a partial-rotary split reads; the match must be the same there.)
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from fusionscope.apply.patcher import Patcher, Support
-from fusionscope.fusions.base import Binding, Graph, In, Match, input_index
+from fusionscope.fusions.base import CACHE_WRITES, Binding, Graph, In, Match, input_index, scalar_values
 
 if TYPE_CHECKING:
     from fusionscope.bench.cases import Case
@@ -43,9 +46,26 @@ def _consumer(graph: Graph, node: int, op: str) -> int:
     return next((c for c in graph.consumers.get(node, ()) if graph.name.get(c) == op), -1)
 
 
-def rope_chain(graph: Graph, neg: int) -> tuple[set[int], int, int, int, int] | None:
-    """The nodes of one `x·cos + rotate_half(x)·sin` around `neg`, with x's, cos's and sin's producers and the final
-    add; None when the neighbourhood is not a rotary chain. Intermediates may have other readers (then they escape)."""
+class RopeChain(NamedTuple):
+    """One rotated tensor: its ops, the tensor the kernel reads (`source`: the op and input position that read it),
+    cos's and sin's producers, the two products that read them, and the op whose output is the rotated tensor."""
+
+    nodes: set[int]
+    source: In
+    cos: int
+    sin: int
+    mul_cos: int
+    mul_sin: int
+    out: int
+
+
+def rope_chain(graph: Graph, neg: int, split: bool = False) -> RopeChain | None:
+    """The nodes of one `x·cos + rotate_half(x)·sin` around `neg`, with cos's and sin's producers and the final op;
+    None when the neighbourhood is not a rotary chain. Intermediates may have other readers (then they escape).
+    `split`: partial rotary's split and re-join (Phi-3, GPT-NeoX: `x = X[..., :Dr]`, then `cat([rotated,
+    X[..., Dr:]], -1)`) join the chain, so the kernel reads X whole and copies its pass-through columns itself.
+    The finder leaves them out (see the module docstring); `bind` takes them, on the captured graph's exact
+    dataflow."""
     name = graph.name
     high = graph.producer(neg)
     x = graph.producer(high)
@@ -64,7 +84,42 @@ def rope_chain(graph: Graph, neg: int) -> tuple[set[int], int, int, int, int] | 
         return None
     sin = next((p for p in graph.inputs[mul_sin] if p != cat), -1)
     cos = next((p for p in graph.inputs[mul_cos] if p != x), -1)
-    return {high, low, neg, cat, mul_sin, mul_cos, add}, x, cos, sin, add
+    nodes = {high, low, neg, cat, mul_sin, mul_cos, add}
+    split_at = _partial_split(graph, x, add) if split else None
+    if split_at is not None:
+        return RopeChain(nodes | split_at[0], In(x, 0), cos, sin, mul_cos, mul_sin, split_at[1])
+    return RopeChain(nodes, In(mul_cos, input_index(graph, mul_cos, x)), cos, sin, mul_cos, mul_sin, add)
+
+
+def _partial_split(graph: Graph, x: int, add: int) -> tuple[set[int], int] | None:
+    """`({x, pass, cat}, cat)` when x is `X[..., :Dr]` and the rotated x's one reader is `cat([rotated,
+    X[..., Dr:]], -1)` that restores X's width; None otherwise (full rotary, or any other use of the pieces). With
+    Dr = D (Phi-3) the split is still written: `X[..., :D]` is recorded as an `alias` and the pass part is empty."""
+    name, shapes = graph.name, graph.column("input_shapes", ())
+    readers = graph.consumers.get(add, ())
+    if name.get(x) not in ("aten::slice", "aten::alias") or len(readers) != 1 or name.get(readers[0]) != "aten::cat":
+        return None
+    cat = readers[0]
+    ins = graph.inputs.get(cat, ())
+    if len(ins) != 2 or ins[0] != add or name.get(ins[1]) != "aten::slice":
+        return None
+    source, kept = graph.producer(x), ins[1]
+    if source < 0 or graph.producer(kept) != source or set(graph.consumers.get(x, ())) & {kept, cat}:
+        return None
+    whole = tuple((shapes.get(x) or ((),))[0])
+    parts = [tuple(s) for s in (shapes.get(cat) or ((), ()))[:2]]
+    rank = len(whole)
+    dims = scalar_values(graph, cat)
+    on_last = bool(dims) and int(dims[0]) % max(rank, 1) == rank - 1
+    cut = scalar_values(graph, x)
+    whole_x = name[x] == "aten::alias"
+    starts_at_0 = whole_x or (len(cut) >= 2 and int(cut[0]) % max(rank, 1) == rank - 1 and cut[1] == 0)
+    widths = (
+        len(parts) == 2 and all(len(p) == rank for p in parts) and rank and parts[0][-1] + parts[1][-1] == whole[-1]
+    )
+    if not (on_last and starts_at_0 and widths):
+        return None
+    return {x, kept, cat}, cat
 
 
 def _cache_write(graph: Graph, k_out: int) -> set[int]:
@@ -90,23 +145,22 @@ def _views(graph: Graph, node: int, group: set[int], module: str) -> set[int]:
 
 
 def find(graph: Graph) -> list[Match]:
-    calls: dict[tuple, list[tuple[set[int], int, int, int, int]]] = {}
+    calls: dict[tuple, list[RopeChain]] = {}
     for neg in graph.named("aten::neg"):
         chain = rope_chain(graph, neg)
         if chain is not None:
-            _nodes, _x, cos, sin, add = chain
-            calls.setdefault((graph.where(add), graph.module[add], cos, sin), []).append(chain)
+            calls.setdefault((graph.where(chain.out), graph.module[chain.out], chain.cos, chain.sin), []).append(chain)
     matches = []
     for (_where, module, cos, sin), chains in calls.items():
         for pair in (chains[i : i + 2] for i in range(0, len(chains), 2)):  # q then k, per attention call
-            group = set().union(*(c[0] for c in pair))
-            outputs = {c[4] for c in pair}
-            cache = _cache_write(graph, pair[-1][4]) if len(pair) == 2 else set()
+            group = set().union(*(c.nodes for c in pair))
+            outputs = {c.out for c in pair}
+            cache = _cache_write(graph, pair[-1].out) if len(pair) == 2 else set()
             if cache:
                 group |= cache
-                outputs = (outputs - {pair[-1][4]}) | cache
+                outputs = (outputs - {pair[-1].out}) | cache
             group |= _views(graph, cos, group, module) | _views(graph, sin, group, module)
-            phase, step = graph.where(pair[0][4])
+            phase, step = graph.where(pair[0].out)
             matches.append(Match(KEY, phase, step, tuple(sorted(group)), module,
                                  escaping=graph.escaping(group, outputs)))  # fmt: skip
     return matches
@@ -114,28 +168,67 @@ def find(graph: Graph) -> list[Match]:
 
 def bind(graph: Graph, match: Match) -> Binding | str:
     """One `rope(q, k, cos, sin)` in place of the q and k chains (and cos/sin's `unsqueeze`s when they are the
-    group's own); a DynamicCache's growing `cat`s stay, reading the rotated k the call returns."""
+    group's own); a DynamicCache's growing `cat`s stay, reading the rotated k the call returns. Under partial rotary
+    the split and the `cat` that re-joins the pass-through columns go too (Phi-3 runs that code with Dr = D: its
+    `cat` with an empty tensor is a copy per tensor and layer that the match alone would leave). Under a static cache
+    the writes of the rotated k and of v go too: one `rope_and_cache` launch instead of a rope and two `index_copy_`
+    (the finder leaves those writes out of the match, as the module docstring says)."""
     chains = [c for neg in sorted(match.nodes) if graph.name.get(neg) == "aten::neg" and
-              (c := rope_chain(graph, neg)) is not None]  # fmt: skip
+              (c := rope_chain(graph, neg, split=True)) is not None]  # fmt: skip
     if len(chains) != 2:
         return "only one of q and k is rotated here; the kernel rotates both in one launch"
     refs = []
     shapes = graph.column("input_shapes", ())
-    for nodes, x, cos, sin, add in chains:
-        mul_cos = next(n for n in nodes if graph.name.get(n) == "aten::mul" and x in graph.inputs.get(n, ()))
-        x_shape, cos_shape = (tuple(s) for s in (shapes.get(mul_cos) or ((), ()))[:2])
-        if input_index(graph, mul_cos, x) == 1:
-            x_shape, cos_shape = cos_shape, x_shape
+    for chain in chains:
+        x_shape = tuple((shapes.get(chain.source.node) or ((),))[chain.source.index])
+        mul_cos, mul_sin = chain.mul_cos, chain.mul_sin
+        cos_at = next(i for i, p in enumerate(graph.inputs[mul_cos]) if p == chain.cos)
+        cos_shape = tuple((shapes.get(mul_cos) or ((), ()))[cos_at])
         # the kernel takes x as (B, H, S, D) and cos as (B, 1, S, Dr), (B, S, Dr) or (S, Dr): positions on dim 2
         if len(x_shape) != 4 or not (len(cos_shape) in (2, 3) or (len(cos_shape) == 4 and cos_shape[1] == 1)):
             return "q and k are not (batch, heads, positions, dim) with cos/sin broadcast over the heads"
-        mul_sin = next(n for n in nodes if graph.name.get(n) == "aten::mul" and n != mul_cos)
-        refs.append((In(mul_cos, input_index(graph, mul_cos, x)), add))
-        trig = [_unsqueezed(graph, mul_cos, cos, match), _unsqueezed(graph, mul_sin, sin, match)]
+        refs.append((chain.source, chain.out))
+        trig = [_unsqueezed(graph, mul_cos, chain.cos, match), _unsqueezed(graph, mul_sin, chain.sin, match)]
     views = {n for n in match.nodes if graph.name.get(n) == "aten::unsqueeze"}
-    nodes = set().union(*(c[0] for c in chains)) | views
+    nodes = set().union(*(c.nodes for c in chains)) | views
     (q, q_out), (k, k_out) = refs
+    writes = static_cache_writes(graph, k_out)
+    if writes is not None:
+        k_write, v_write = writes
+        args = (q, k, *trig, In(v_write, 2), In(k_write, 0), In(v_write, 0), In(k_write, 1))
+        return Binding(fused_rope_and_cache, args, (q_out, k_write, v_write), tuple(sorted(nodes | set(writes))))
     return Binding(fused_rope, (q, k, *trig), (q_out, k_out), tuple(sorted(nodes)))
+
+
+def static_cache_writes(graph: Graph, k_out: int) -> tuple[int, int] | None:
+    """transformers' StaticLayer write of the rotated k and of v (`keys.index_copy_(2, positions, k)`, then
+    `values.index_copy_(2, positions, v)`): the two writes, when the rotated k's one reader is the first and the
+    second writes the same positions along the same dim in the same module; None otherwise (a DynamicCache, or a k
+    read elsewhere too)."""
+    name, scalars = graph.name, graph.column("scalars", ())
+    readers = graph.consumers.get(k_out, ())
+    if len(readers) != 1 or name.get(readers[0]) not in CACHE_WRITES:
+        return None
+    k_write = readers[0]
+    ins = graph.inputs.get(k_write, ())
+    if len(ins) != 3 or ins[2] != k_out:
+        return None
+    later = (n for n in sorted(graph.name) if n > k_write and name[n] in CACHE_WRITES)
+    v_write = next((n for n in later if graph.module.get(n) == graph.module.get(k_write)
+                    and len(graph.inputs[n]) == 3 and graph.inputs[n][1] == ins[1]
+                    and tuple(scalars.get(n) or ()) == tuple(scalars.get(k_write) or ())), -1)  # fmt: skip
+    return (k_write, v_write) if v_write >= 0 else None
+
+
+def fused_rope_and_cache(q: Any, k: Any, cos: Any, sin: Any, v: Any, k_cache: Any, v_cache: Any,
+                         positions: Any) -> tuple[Any, Any, Any]:  # fmt: skip
+    """`rope_and_cache`: q rotated (returned), the rotated k and v written into the static cache in place; the caches
+    are returned too, standing for the two writes' results in the graph."""
+    from fusionscope.kernels import rope_and_cache
+
+    if cos.dim() == 4:
+        cos, sin = cos.squeeze(1), sin.squeeze(1)
+    return rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, positions), k_cache, v_cache
 
 
 def _unsqueezed(graph: Graph, mul: int, producer: int, match: Match) -> In:

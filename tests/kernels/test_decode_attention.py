@@ -4,6 +4,8 @@ a CUDA graph replay does), and the public function's argument checks."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from fusionscope.kernels.decode_attention import (
@@ -240,3 +242,21 @@ def test_short_caches_split_when_the_kv_heads_leave_most_sms_idle(monkeypatch: p
     assert one.splits > sixteen.splits > many.splits == 1
     assert one.chunk % one.block_n == 0 and one.chunk >= SCHEDULE["min_split_len"]
     assert one.splits * one.chunk >= 579 > (one.splits - 1) * one.chunk
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "s_max"), [(32, 32, 580), (32, 8, 580), (32, 8, 4099)])
+def test_the_rule_gives_at_least_the_splits_it_wants(
+    heads: int, kv_heads: int, s_max: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The automatic rule on a 132-SM GPU (the schedule is computed on the host: no GPU needed): as many splits as
+    fill `programs_per_sm` programs per SM, capped by `min_split_len`, and never fewer because the chunk was rounded
+    up to whole tiles (Phi-3-mini's 32 heads on 580 rows wanted 9 splits and got 5 of 128 rows)."""
+    module = sys.modules[schedule.__module__]  # the package exports a function of the module's name
+
+    monkeypatch.setitem(SCHEDULE, "BLOCK_N", 64)
+    monkeypatch.setattr(module, "sm_count", lambda _index: 132)
+    plan = schedule(1, heads, kv_heads, s_max, torch.device("cuda", 0))
+    programs = kv_heads * plan.head_blocks
+    wanted = min(-(-int(SCHEDULE["programs_per_sm"]) * 132 // programs), s_max // int(SCHEDULE["min_split_len"]))
+    assert plan.splits >= wanted and plan.chunk % plan.block_n == 0
+    assert (plan.splits - 1) * plan.chunk < s_max <= plan.splits * plan.chunk  # every row in one split, none empty
