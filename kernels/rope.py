@@ -60,6 +60,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """HF's rotation of x (B, H, S, D) by cos/sin already unsqueezed to (B, 1, S, Dr), with the partial-rotary split."""
     dr = cos.shape[-1]
+    if cos.dtype != x.dtype:  # fp32 tables: computed in fp32 by type promotion, rounded once (HF's `.to(x.dtype)`)
+        return _rotate(x.float(), cos, sin).to(x.dtype)
     x_rot, x_pass = x[..., :dr], x[..., dr:]  # views
     x_cos = x_rot * cos  # read (n_r + C)·s, write n_r·s
     x_half = _rotate_half(x_rot)  # read 1.5·n_r·s, write 1.5·n_r·s
@@ -129,8 +131,10 @@ def _rotate_heads(
     BLOCK_PASS: tl.constexpr,
     HAS_PASS: tl.constexpr,
     MUL_RN: tl.constexpr,
+    WIDE: tl.constexpr,  # fp32 cos/sin with fp16/bf16 x: products and sum in fp32, rounded once at the store
 ):
     dtype = o_ptr.dtype.element_ty
+    step = tl.float32 if WIDE else dtype  # the dtype eager rounds each product and the sum to (type promotion)
     h = head0 + tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (h < H) & (d < HALF)
@@ -143,9 +147,9 @@ def _rotate_heads(
         dp = tl.arange(0, BLOCK_PASS)[None, :]
         mask_p = (h < H) & (dp < PASS)
         xp = tl.load(x_row + (dp + 2 * HALF) * stride_xd, mask=mask_p).to(tl.float32)
-    # HF order: (x * cos) + (rotate_half(x) * sin), each product and the sum rounded to the dtype
-    o1 = round_to(round_to(_mul(x1, c1, MUL_RN), dtype) - round_to(_mul(x2, s1, MUL_RN), dtype), dtype)
-    o2 = round_to(round_to(_mul(x2, c2, MUL_RN), dtype) + round_to(_mul(x1, s2, MUL_RN), dtype), dtype)
+    # HF order: (x * cos) + (rotate_half(x) * sin), each product and the sum rounded to the dtype they promote to
+    o1 = round_to(round_to(_mul(x1, c1, MUL_RN), step) - round_to(_mul(x2, s1, MUL_RN), step), step)
+    o2 = round_to(round_to(_mul(x2, c2, MUL_RN), step) + round_to(_mul(x1, s2, MUL_RN), step), step)
     tl.store(o_row + d * stride_od, o1.to(dtype), mask=mask)
     tl.store(o_row + (d + HALF) * stride_od, o2.to(dtype), mask=mask)
     if HAS_PASS:
@@ -232,6 +236,7 @@ def _rope_kernel(
     BLOCK_PASS: tl.constexpr,
     HAS_PASS: tl.constexpr,
     MUL_RN: tl.constexpr,  # True when compiled for CUDA (see _mul)
+    WIDE: tl.constexpr,  # fp32 cos/sin with fp16/bf16 q and k (see _rotate_heads)
 ):
     # grid: (B·S tokens, head blocks of q then of k)
     tok = tl.program_id(0)
@@ -246,13 +251,13 @@ def _rope_kernel(
         _rotate_heads(
             q_ptr + b * stride_qb + s * stride_qs, qo_ptr + b * stride_qob + s * stride_qos, hb * BLOCK_H, HQ,
             stride_qh, stride_qd, stride_qoh, stride_qod, c1, c2, s1, s2, HALF, PASS,
-            BLOCK_H, BLOCK_HALF, BLOCK_PASS, HAS_PASS, MUL_RN,
+            BLOCK_H, BLOCK_HALF, BLOCK_PASS, HAS_PASS, MUL_RN, WIDE,
         )  # fmt: skip
     else:
         _rotate_heads(
             k_ptr + b * stride_kb + s * stride_ks, ko_ptr + b * stride_kob + s * stride_kos, (hb - N_QBLOCKS) * BLOCK_H,
             HK, stride_kh, stride_kd, stride_koh, stride_kod, c1, c2, s1, s2, HALF, PASS,
-            BLOCK_H, BLOCK_HALF, BLOCK_PASS, HAS_PASS, MUL_RN,
+            BLOCK_H, BLOCK_HALF, BLOCK_PASS, HAS_PASS, MUL_RN, WIDE,
         )  # fmt: skip
 
 
@@ -312,6 +317,7 @@ def _rope_and_cache_kernel(
     BLOCK_PASS: tl.constexpr,
     HAS_PASS: tl.constexpr,
     MUL_RN: tl.constexpr,  # True when compiled for CUDA (see _mul)
+    WIDE: tl.constexpr,  # fp32 cos/sin with fp16/bf16 q and k (see _rotate_heads)
     BLOCK_D: tl.constexpr,
 ):
     tok = tl.program_id(0)
@@ -327,7 +333,7 @@ def _rope_and_cache_kernel(
             _rotate_heads(
                 q_ptr + b * stride_qb + s * stride_qs, qo_ptr + b * stride_qob + s * stride_qos, hb * BLOCK_H, HQ,
                 stride_qh, stride_qd, stride_qoh, stride_qod, c1, c2, s1, s2, HALF, PASS,
-                BLOCK_H, BLOCK_HALF, BLOCK_PASS, HAS_PASS, MUL_RN,
+                BLOCK_H, BLOCK_HALF, BLOCK_PASS, HAS_PASS, MUL_RN, WIDE,
             )  # fmt: skip
         else:
             pos = tl.load(pos_ptr + s * stride_pos).to(tl.int64)
@@ -335,7 +341,7 @@ def _rope_and_cache_kernel(
                 _rotate_heads(
                     k_ptr + b * stride_kb + s * stride_ks, kc_ptr + b * stride_kcb + pos * stride_kcs,
                     (hb - N_QBLOCKS) * BLOCK_H, HK, stride_kh, stride_kd, stride_kch, stride_kcd, c1, c2, s1, s2,
-                    HALF, PASS, BLOCK_H, BLOCK_HALF, BLOCK_PASS, HAS_PASS, MUL_RN,
+                    HALF, PASS, BLOCK_H, BLOCK_HALF, BLOCK_PASS, HAS_PASS, MUL_RN, WIDE,
                 )  # fmt: skip
     else:
         pos = tl.load(pos_ptr + s * stride_pos).to(tl.int64)
@@ -380,6 +386,7 @@ def _rope_op(
     hk = k.shape[1]
     dr = cos.shape[-1]
     meta = _blocks(hq, hk, d, dr, q.device)
+    meta["WIDE"] = cos.dtype == torch.float32 and q.dtype != torch.float32
     n_qblocks = cdiv(hq, meta["BLOCK_H"])
     grid = (b * s, n_qblocks + cdiv(hk, meta["BLOCK_H"]))
     launchable(_rope_kernel)[grid](
@@ -408,6 +415,7 @@ def _rope_and_cache_op(
     hk = k.shape[1]
     dr = cos.shape[-1]
     meta = _blocks(hq, hk, d, dr, q.device)
+    meta["WIDE"] = cos.dtype == torch.float32 and q.dtype != torch.float32
     n_qblocks = cdiv(hq, meta["BLOCK_H"])
     n_kblocks = cdiv(hk, meta["BLOCK_H"])
     grid = (b * s, n_qblocks + 2 * n_kblocks)
@@ -438,9 +446,11 @@ def _check_rope_inputs(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin:
         raise ValueError(f"the rotary dim Dr = cos.shape[-1] = {dr} must be even, positive and at most D = {d}")
     if q.dtype not in _DTYPES:
         raise ValueError(f"dtype {q.dtype} is not supported (fp32, fp16, bf16)")
+    if k.dtype != q.dtype:
+        raise ValueError(f"k has dtype {k.dtype}, q has {q.dtype}: q and k must share the activations' dtype")
+    if cos.dtype != sin.dtype or cos.dtype not in (q.dtype, torch.float32):
+        raise ValueError(f"cos/sin have dtypes {cos.dtype}/{sin.dtype}: both must be q's ({q.dtype}) or fp32")
     for name, t in (("k", k), ("cos", cos), ("sin", sin)):
-        if t.dtype != q.dtype:
-            raise ValueError(f"{name} has dtype {t.dtype}, q has {q.dtype}: all must share the activations' dtype")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
 
@@ -463,7 +473,9 @@ def rope(
     """Rotate q and k by cos/sin as HF's `apply_rotary_pos_emb` does (rotate_half layout), in one launch.
 
     q: (B, Hq, S, D), k: (B, Hk, S, D), any strides (HF's `view(...).transpose(1, 2)` views included), fp32/fp16/bf16.
-    cos, sin: (B, S, Dr), (1, S, Dr) or (S, Dr) in q's dtype, as the model's rotary embedding returns them; Dr even,
+    cos, sin: (B, S, Dr), (1, S, Dr) or (S, Dr) in q's dtype, as the model's rotary embedding returns them, or in fp32
+    with fp16/bf16 q and k (OLMo-2 keeps fp32 tables): then, as eager's type promotion does, the products and the sum
+    are fp32 and the result is rounded once to q's dtype (what HF's `.to(q.dtype)` after the rotation gives); Dr even,
     Dr <= D. When Dr < D only the first Dr dims are rotated (partial rotary, Phi/GPT-NeoX) and the rest are copied.
     out: optional (q_out, k_out) shaped like q and k; may be (q, k) itself for an in-place rotation.
     Returns (q_out, k_out); freshly allocated outputs are contiguous.

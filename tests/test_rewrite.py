@@ -533,6 +533,24 @@ def test_partial_rotarys_split_and_rejoin_go_with_the_rope(family: str, monkeypa
     assert_logits_close(decode, ref_decode)
 
 
+def test_olmo2s_fp32_rotary_tables_in_bf16(calls: collections.Counter) -> None:
+    """OLMo-2 keeps cos/sin in fp32: with bf16 activations its rotation runs in fp32 and is cast back
+    (`q_embed.to(q_type)`). rope's binding takes that cast with the chain (the kernel rounds once, as the cast does),
+    so a bf16 OLMo-2 is patched at every rope site, one launch per layer, and decodes as the unpatched model does."""
+    model, ids = lm("tiny-olmo2")
+    model = model.to(torch.bfloat16)
+    sites = find_sites(model)["rope"]
+    ref_prefill, ref_decode, token = prefill_and_decode(model, ids)
+    with patch(model, [{"fusion": "rope", "module_paths": sites}]) as r:
+        assert r.applied.get("rope") and set(r.applied["rope"]) == set(sites), r.skipped
+        calls.clear()
+        prefill, decode, _ = prefill_and_decode(model, ids, token)
+        assert calls["rope"] == 2 * len(sites)  # the prompt and one decode step
+    for got, want in ((prefill, ref_prefill), (decode, ref_decode)):
+        scale = max(1.0, want.float().abs().max().item())
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * scale, rtol=0)
+
+
 class Weightless(ChainNorm):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         input_dtype = hidden_states.dtype

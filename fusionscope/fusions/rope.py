@@ -177,7 +177,8 @@ def bind(graph: Graph, match: Match) -> Binding | str:
               (c := rope_chain(graph, neg, split=True)) is not None]  # fmt: skip
     if len(chains) != 2:
         return "only one of q and k is rotated here; the kernel rotates both in one launch"
-    refs = []
+    refs: list[tuple[In, int]] = []
+    casts: set[int] = set()
     shapes = graph.column("input_shapes", ())
     for chain in chains:
         x_shape = tuple((shapes.get(chain.source.node) or ((),))[chain.source.index])
@@ -187,10 +188,14 @@ def bind(graph: Graph, match: Match) -> Binding | str:
         # the kernel takes x as (B, H, S, D) and cos as (B, 1, S, Dr), (B, S, Dr) or (S, Dr): positions on dim 2
         if len(x_shape) != 4 or not (len(cos_shape) in (2, 3) or (len(cos_shape) == 4 and cos_shape[1] == 1)):
             return "q and k are not (batch, heads, positions, dim) with cos/sin broadcast over the heads"
-        refs.append((chain.source, chain.out))
+        cast = _cast_back(graph, chain)
+        if cast is None:
+            return "the rotation's result is read in the dtype cos/sin promote it to; the kernel returns q's dtype"
+        refs.append((chain.source, cast or chain.out))
+        casts.add(cast)
         trig = [_unsqueezed(graph, mul_cos, chain.cos, match), _unsqueezed(graph, mul_sin, chain.sin, match)]
     views = {n for n in match.nodes if graph.name.get(n) == "aten::unsqueeze"}
-    nodes = set().union(*(c.nodes for c in chains)) | views
+    nodes = set().union(*(c.nodes for c in chains)) | views | (casts - {0})
     (q, q_out), (k, k_out) = refs
     writes = static_cache_writes(graph, k_out)
     if writes is not None:
@@ -198,6 +203,21 @@ def bind(graph: Graph, match: Match) -> Binding | str:
         args = (q, k, *trig, In(v_write, 2), In(k_write, 0), In(v_write, 0), In(k_write, 1))
         return Binding(fused_rope_and_cache, args, (q_out, k_write, v_write), tuple(sorted(nodes | set(writes))))
     return Binding(fused_rope, (q, k, *trig), (q_out, k_out), tuple(sorted(nodes)))
+
+
+def _cast_back(graph: Graph, chain: RopeChain) -> int | None:
+    """0 when the rotated tensor keeps x's dtype; where fp32 cos/sin promoted it (OLMo-2: bf16 q, fp32 tables), the
+    `.to(x.dtype)` that is its one reader (the kernel computes in fp32 and rounds once, as that cast does); None when
+    the promoted result is read otherwise."""
+    in_dtypes, out_dtypes = graph.column("input_dtypes", ()), graph.column("output_dtypes", ())
+    x_dtype = (in_dtypes.get(chain.source.node) or (None,) * (chain.source.index + 1))[chain.source.index]
+    out_dtype = (out_dtypes.get(chain.out) or (None,))[0]
+    if out_dtype == x_dtype:
+        return 0
+    readers = graph.consumers.get(chain.out, ())
+    if len(readers) != 1 or graph.name.get(readers[0]) not in ("aten::_to_copy", "aten::to"):
+        return None
+    return readers[0] if (out_dtypes.get(readers[0]) or (None,))[0] == x_dtype else None
 
 
 def static_cache_writes(graph: Graph, k_out: int) -> tuple[int, int] | None:

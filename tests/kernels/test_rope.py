@@ -285,3 +285,38 @@ def test_rope_and_cache_bad_inputs() -> None:
         rope_and_cache(q, k, v[..., :32], cos, sin, kc, vc, pos)
     with pytest.raises(ValueError, match="must be even"):
         rope_and_cache(q, k, v, cos[..., :31], sin[..., :31], kc, vc, pos)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dr", [64, 32], ids=["full", "partial"])
+def test_fp32_tables_with_narrow_activations(dtype: torch.dtype, dr: int) -> None:
+    """OLMo-2 keeps cos/sin in fp32 while q and k are bf16: eager promotes the products and the sum to fp32 and the
+    model casts the result back (`q_embed.to(q.dtype)`), rounding once. rope and rope_and_cache do the same: within 1
+    ulp of that, and within the dtype's tolerance of float64."""
+    b, hq, hk, s, d, s_max = 2, 3, 2, 5, 64, 9
+    q, k, v = _heads_view(b, hq, s, d, dtype), _heads_view(b, hk, s, d, dtype), _heads_view(b, hk, s, d, dtype)
+    cos, sin = _cos_sin(1, s, dr, torch.float32)
+    q_hf, k_hf = (t.to(dtype) for t in _hf(q.float(), k.float(), cos, sin))
+    q_out, k_out = rope(q, k, cos, sin, out=(poisoned(q.shape, dtype), poisoned(k.shape, dtype)))
+    assert q_out.dtype == dtype and k_out.dtype == dtype
+    assert_within_ulp(q_out, q_hf)
+    assert_within_ulp(k_out, k_hf)
+    q64, k64 = rope_reference(q.double(), k.double(), cos.double(), sin.double())
+    assert_close(q_out, q64, dtype, scale=_fp64_scale(q))
+    assert_close(k_out, k64, dtype, scale=_fp64_scale(k))
+    pos = torch.tensor([7, 0, 3, 8, 5], dtype=torch.int64, device=device())
+    k_cache = torch.full((b, hk, s_max, d), SENTINEL, dtype=dtype, device=device())
+    v_cache = torch.full((b, hk, s_max, d), SENTINEL, dtype=dtype, device=device())
+    q_rot = rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, pos, out=poisoned(q.shape, dtype))
+    assert_within_ulp(q_rot, q_hf)
+    assert_within_ulp(k_cache[:, :, pos], k_hf)
+    assert torch.equal(v_cache[:, :, pos], v)
+    ref_q, ref_k = rope_reference(q, k, cos, sin)
+    assert ref_q.dtype == dtype and torch.equal(ref_q, q_hf) and torch.equal(ref_k, k_hf)
+
+
+def test_tables_in_a_third_dtype_are_refused() -> None:
+    q, k = _heads_view(1, 2, 3, 64, torch.bfloat16), _heads_view(1, 2, 3, 64, torch.bfloat16)
+    cos, sin = _cos_sin(1, 3, 64, torch.float16)
+    with pytest.raises(ValueError, match="cos/sin"):
+        rope(q, k, cos, sin)
