@@ -42,7 +42,8 @@ so each weight costs 1/2 SHF + 1/2 LOP3 + its share of the wgmma. Σ_k x_k is su
 The products are exact in fp32 (8-bit × 8-bit significands) and the subtraction cancels about 7 bits (10 in fp16) of
 the fp32 sums: the result is well within the output dtype's rounding of the float64 answer (tests check it); it is
 not bit-comparable to the unfused chain, which rounds every dequantised weight to bf16 first.
-fp32 activations: the same (128 + q) in bf16, widened, and an IEEE fp32 dot (exact, slow: a correctness path).
+fp32 activations: the same (128 + q) in bf16, widened, minus 128 + zero per weight (exact in fp32, no cancellation),
+and an IEEE fp32 dot (slow: a correctness path).
 Compiled for sm_90 here (Triton 3.9 and its ptxas, no GPU): BLOCK_N 128, 256 inputs per step, 4 warps, 8 rows:
 ~2.0 SASS instructions per weight in the loop (0.9 of them the conversion, the rest the x tile, its sum, the group's
 scaling of the accumulator, addresses and the pipeline), against 5.7–7.8 for the CUDA-core GEMV it replaces. At
@@ -351,7 +352,8 @@ def _w4a16_kernel(
     HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr,  # more than one split of K: partial sums, the last split of a tile finishes
     EVEN: tl.constexpr,  # N % BLOCK_N == 0, K % BLOCK_K == 0 and every split full: no masks on the weights or K
-    UPCAST: tl.constexpr,  # fp32 activations or the interpreter: an fp32 IEEE dot on the same values
+    UPCAST: tl.constexpr,  # the interpreter: an fp32 IEEE dot on the same values (its 16-bit dot is not exact)
+    EXACT_ZERO: tl.constexpr,  # fp32 activations: subtract the zero from each weight, exact in fp32, no Σx
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
@@ -373,8 +375,9 @@ def _w4a16_kernel(
     n_words = tl.cdiv(K, 128) * 16
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if GROUP == 0:
-        xs_all = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if GROUP == 0:  # one group: its scales and zeros once, for the whole of K
+        s = tl.load(s_ptr + rn * stride_sn, mask=n_ok, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + rn * stride_zn, mask=n_ok, other=0).to(tl.float32) + BASE
     first = pid_k * steps_per_split
     last = min(first + steps_per_split, tl.cdiv(K, KC * CHUNKS))
     for step in tl.range(first, last, num_stages=STAGES):
@@ -389,23 +392,24 @@ def _w4a16_kernel(
                             other=0)  # fmt: skip
                 xk = tl.load(x_rows + k0 * stride_xk, mask=m_ok[:, None] & (k0 + rk < K)[None, :], other=0.0)
             wt = _unpack(w, WDT, MAGIC, U)  # (BLOCK_N, KC): BASE + q
-            if UPCAST:
-                part = tl.dot(wt.to(tl.float32), tl.trans(xk.to(tl.float32)), input_precision="ieee")
-            else:
-                part = tl.dot(wt, tl.trans(xk))
-            xs = tl.sum(xk.to(tl.float32), axis=1)  # (BLOCK_M,): Σx over the sub-step
-            if GROUP == 0:
-                acc += part
-                xs_all += xs
-            else:
+            if GROUP != 0:
                 g = min(k0, K - 1) // GROUP
                 s = tl.load(s_ptr + g * stride_sg + rn * stride_sn, mask=n_ok, other=0.0).to(tl.float32)
                 z = tl.load(z_ptr + g * stride_zg + rn * stride_zn, mask=n_ok, other=0).to(tl.float32) + BASE
-                acc += (part - z[:, None] * xs[None, :]) * s[:, None]
-    if GROUP == 0:  # one scale and zero per column, for the whole of K
-        s = tl.load(s_ptr + rn * stride_sn, mask=n_ok, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + rn * stride_zn, mask=n_ok, other=0).to(tl.float32) + BASE
-        acc = (acc - z[:, None] * xs_all[None, :]) * s[:, None]
+            if EXACT_ZERO:  # fp32 activations: (BASE + q) − (BASE + zero) in fp32, exact, then an IEEE fp32 dot
+                part = tl.dot(wt.to(tl.float32) - z[:, None], tl.trans(xk.to(tl.float32)), input_precision="ieee")
+            elif UPCAST:  # the interpreter: its bf16/fp16 dot is not exact; the same values in fp32 are
+                part = tl.dot(wt.to(tl.float32), tl.trans(xk.to(tl.float32)), input_precision="ieee")
+            else:
+                part = tl.dot(wt, tl.trans(xk))
+            if not EXACT_ZERO:  # Σ x·(BASE + q) − (BASE + zero)·Σ x
+                part -= z[:, None] * tl.sum(xk.to(tl.float32), axis=1)[None, :]
+            if GROUP == 0:
+                acc += part
+            else:
+                acc += part * s[:, None]
+    if GROUP == 0:  # the one scale per column, applied once
+        acc = acc * s[:, None]
 
     if SPLIT:
         splits = tl.num_programs(2)
@@ -432,7 +436,7 @@ def _w4a16_kernel(
 # - BLOCK_M: rows of x per program (the dot's N: 8 or 16 at decode, padded rows read as 0); BLOCK_N: outputs per
 #   program (the dot's M; 64 per 4 warps); BLOCK_K: inputs per loop step, a multiple of KC; KC: inputs per sub-step
 #   (one dot and one scaling; min(KC, group size) is used); SPLIT_K: 0 picks the split by `FILL`, n ≥ 1 asks for n
-#   (the nearest that divides the steps, at most the steps); num_warps, num_stages: Triton's.
+#   (at most the steps; the last split shorter where n does not divide them); num_warps, num_stages: Triton's.
 # First choices from the sm_90 instruction counts in the docstring; `reports/w4a16/gpu_w4a16.py` times them.
 TILES = Tunables(
     decode8=(8, {"BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 256, "KC": 128, "SPLIT_K": 0, "num_warps": 4,
@@ -495,7 +499,7 @@ def schedule(M: int, N: int, K: int, device: torch.device, group_size: int = 128
         fits = [d for d in divisors if steps // d >= FILL["min_steps"]] or [1]
         split = next((d for d in fits if tiles_mn * d >= target), fits[-1])
     else:
-        split = min(divisors, key=lambda d: (abs(d - want), d)) if want <= steps else steps
+        split = min(want, steps)
     per = cdiv(steps, split)
     split = cdiv(steps, per)  # no empty split
     even = N % tiles["BLOCK_N"] == 0 and K % block_k == 0 and steps % per == 0
@@ -568,7 +572,8 @@ def _launch(
         HAS_BIAS=bias is not None,
         SPLIT=split,
         EVEN=plan.even,
-        UPCAST=interpreted or x.dtype == torch.float32,
+        UPCAST=interpreted,
+        EXACT_ZERO=x.dtype == torch.float32,
         BLOCK_M=tiles["BLOCK_M"],
         BLOCK_N=tiles["BLOCK_N"],
         STAGES=tiles["num_stages"],
