@@ -3,13 +3,24 @@ masks, cast, subtract the zero point, multiply by the scales) and then runs a pl
 `fusionscope.kernels.w4a16_gemm` launch that reads the packed weight and dequantises in registers (W4A16).
 
 Pattern, on the dataflow: a matmul (`aten::mm` / `addmm` / `bmm`) whose weight operand, walked up through views and
-dequantisation ops (`bitwise_and`, `bitwise_right_shift`/`__rshift__`, `stack`/`cat`, `slice`, `_to_copy`, `sub`,
-`mul`, ...), reaches at least one bitwise op: that walk plus the matmul is the group. Per forward: one match per such
-Linear.
-Bytes for an out×in weight packed at b bits (s = activation size, x of m rows): unfused ≈ out·in·(b/8 read + several
-uint8/int32 temporaries + 2·s per float op, read and written) + the matmul reading the out·in·s dequantised weight
-(≈ 38.5·out·in in bf16 for `PlainW4Linear`, counted op by op in `fusionscope.kernels.w4a16_gemm`); fused
-out·in·b/8 + the scales and zeros + (m·in + m·out)·s: the dequantised weight never reaches memory.
+dequantisation ops (`bitwise_and`, `bitwise_right_shift`/`__rshift__`, `stack`/`cat`, `slice`, `permute`,
+`_to_copy`, `sub`, `mul`, ...), reaches at least one bitwise op: that walk plus the matmul is the group. Per forward:
+one match per such Linear.
+Bytes for an out×in weight packed at b bits (s = activation size, x of m rows, groups of g inputs): unfused ≈
+out·in·(b/8 read + several uint8/int32 temporaries + 2·s per float op, read and written) + the matmul reading the
+out·in·s dequantised weight (≈ 38.5·out·in in bf16 for `PlainW4Linear`, counted op by op in
+`fusionscope.kernels.w4a16_gemm`); fused out·in·b/8 + out·(in/g)·(s + 1) for the scales and zeros + (m·in +
+m·out)·s: the dequantised weight never reaches memory.
+
+Estimate. The finder prices the fused kernel generically (`fusionscope.opportunities`): the group's external inputs
+read once — here exactly the kernel's operands: the packed int32 weight, the scales, the uint8 zeros and x (plus the
+8-element shift constant) — and its output written once, at the measured copy bandwidth, plus one launch floor; the
+FLOPs at the tensor cores' peak never bind at decode. That is the bytes-at-the-roof model of the W4A16 kernel above:
+0.5 + (s + 1)/g bytes per weight. It missed by +166% on llama-3.1-8b (2026-12-02) because the kernel it priced — a
+CUDA-core GEMV at 6–8 instructions per weight — ran at a quarter of that roof; the kernel now converts two weights per
+AND-OR on the tensor cores' operand registers (~2 instructions per weight in all) so that it is bound by these bytes.
+Not counted: a decode call split along K also writes and reads back splits·m·out fp32 partial sums (≈ 3% of the
+weight bytes at m = 1 on Llama-3-8B's shapes), and the weights' K is padded to a multiple of 128.
 
 Not in the group (misses): weights dequantised once and cached (nothing to fuse per step), library kernels that already
 dequantise inside (`aten::_weight_int4pack_mm`, `_weight_int8pack_mm`, bitsandbytes, GPTQ/AWQ extensions — one op
@@ -17,10 +28,12 @@ already), and scale/zero-point preparation computed from parameters outside the 
 
 Patching (`patch`): a `PlainW4Linear` (`fusionscope.apply.quantize`, what `quantize_model` puts in a float model) gets
 a forward that calls the kernel on its own `qweight`, `scales`, `zeros` and bias — the same tensors, read at call
-time: that module holds fusionscope's packed layout already, so nothing is converted or copied, and restoring the
-forward restores the model exactly. Any other module the finder matched is refused with the reason: its forward's
-layout is not one the patch can vouch for (a GPTQ or AWQ checkpoint converts once, at load time, with
-`from_gptq` / `from_awq` into a `PlainW4Linear`). In training mode the class's forward runs.
+time: that module holds fusionscope's packed layout already (packed once by `quantize_w4`, `from_gptq` or `from_awq`
+into the order the kernel's tensor-core operand wants), so nothing is converted or copied, and restoring the forward
+restores the model exactly. The patch also allocates the kernel's split-K tile counters on the module's GPU, so a CUDA
+graph captured right after it gets the split schedule. Any other module the finder matched is refused with the
+reason: its forward's layout is not one the patch can vouch for (a GPTQ or AWQ checkpoint converts once, at load time,
+with `from_gptq` / `from_awq` into a `PlainW4Linear`). In training mode the class's forward runs.
 """
 
 from __future__ import annotations
@@ -51,7 +64,7 @@ _DEQUANT = _BITWISE | frozenset({
     "aten::_to_copy", "aten::sub", "aten::mul", "aten::add", "aten::div", "aten::stack", "aten::cat", "aten::view",
     "aten::reshape", "aten::_unsafe_view", "aten::unsqueeze", "aten::expand", "aten::t", "aten::transpose",
     "aten::permute", "aten::clone", "aten::repeat_interleave", "aten::index_select", "aten::_reshape_alias",
-    "aten::slice",
+    "aten::slice", "aten::alias",
 })  # fmt: skip
 
 
@@ -102,6 +115,7 @@ def micro_case(graph: Graph, match: Match) -> Case | None:
 def patch(patcher: Patcher, paths: list[str]) -> dict[str, Support]:
     """Put `w4a16_gemm` into each `PlainW4Linear` at `paths`; one Support per path."""
     try:
+        from fusionscope.kernels.w4a16_gemm import counters
         from fusionscope.kernels.w4a16_gemm import w4a16_gemm as kernel
     except ImportError as error:
         return {path: Support.no(f"the w4a16_gemm kernel does not load here: {error}") for path in paths}
@@ -121,6 +135,8 @@ def patch(patcher: Patcher, paths: list[str]) -> dict[str, Support]:
             supports[path] = Support.no(reason)
         else:
             patcher.set_forward(module, unless_training(_fused_forward(kernel)), owner=KEY)
+            if module.qweight.is_cuda:
+                counters(module.qweight.device)  # outside any graph capture: split-K is then capturable
             supports[path] = Support.yes()
     return supports
 

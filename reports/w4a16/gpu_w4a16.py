@@ -1,43 +1,39 @@
-"""W4A16 on the GPU: fusionscope::w4a16_gemm checked against its reference, then timed against the unfused chain,
-bf16 cuBLAS and torchao's int4 GEMM; or, in `sweep` mode, every schedule candidate checked, then timed side by side.
+"""W4A16 on the GPU: the tensor-core kernel (`new`: the shipped TILES and a few candidates per M) against the kernel it
+replaced (`old`, `w4a16_before.py` beside this script) and bf16 cuBLAS (`torch.nn.functional.linear` on the float
+weight before quantisation), after checking each against the float64 reference.
 
-Usage, from the repository root on the GPU machine (fusionscope installed or on the path, bf16, one GPU):
-    python3 reports/w4a16/gpu_w4a16.py OUT                  # check + bench (< 4 min)
-    python3 reports/w4a16/gpu_w4a16.py OUT sweep [--quick] [--budget SECONDS] [--warm-l2]   # (< 5 min; `tune`: same)
+Usage, from the repository root on the GPU machine (fusionscope importable, one GPU):
+    python3 reports/w4a16/gpu_w4a16.py OUT            # < 150 s on an H200 (BUDGET_S; --budget SECONDS to change)
 Writes, as it goes (a run killed at its limit leaves what it measured):
-    OUT/w4a16_<mode>.jsonl  one JSON row per check or timing, flushed after each
-    OUT/w4a16_<mode>.json   {"meta", "rows", "summary"}, rewritten every DUMP_EVERY_S seconds and at the end
-    OUT/w4a16_<mode>.log    what was printed
-Shapes: Llama-3-8B's projections as (K, N): 4096 → 4096, 4096 → 14336, 14336 → 4096, group 128, random weights at
-nn.Linear's scale quantised by `quantize_w4`.
-
-check (bench mode, first): for M in 1, 4, 16, 4096 on each shape, the kernel against the float64 reference (tolerance:
-bf16's times sqrt(K / 64), the kernel tests' rule) and against the unfused chain in bf16 (max difference in units of the
-output's last place, share of outputs that differ); CUDA-graph replay equal to eager (M = 1, 16); at one shape the op
-under torch.compile(fullgraph=True) equal to eager (if the time budget allows).
-bench: GPU time by CUDA-graph replay (`do_bench_cudagraph`, median) for M = 1, 4, 16 and 4096: fused, `unfused`
-(dequantise into a bf16 weight, then cuBLAS: `w4a16_reference`), `bf16` (cuBLAS on the float weight before
-quantisation), torchao's int4 weight-only Linear where it imports (its version recorded; otherwise the reason).
-Variants are interleaved, ROUNDS rounds, the median kept. GB/s on the bytes each variant must move at least (fused:
-x, packed weight, scales, zeros, output; bf16: x, the bf16 weight, output), % of the copy bandwidth measured here
-(read + write bytes of a 1 GiB device copy, per second). Ratios against bf16 in the same run.
-sweep: copy and read roofs (1 GiB; CUDA-graph replay as the kernels, and CUDA events), then per shape a read roof at
-the packed weight's size, then for M = 1, 4, 16 and 4096 on each shape: the shipped TILES ("shipped"), the schedule
-measured on 2026-12-01 ("before"), the decode candidates (SWEEP_DECODE, at M ≤ 16) or the prefill ones
-(SWEEP_PREFILL, at M = 4096), each checked against the float64 reference first (a failure or a compile error is a
-row; the variant is not timed), then timed with bf16 cuBLAS in ROUNDS interleaved rounds (medians), each call on the
-next of enough copies of its weights to miss L2 (unless --warm-l2). Every check and timing is a row as it happens;
-the summary — best variant per (shape, M) with % of the copy and read roofs and × bf16, and per M the candidate with
-the best geometric-mean ratio to bf16 — is printed and written however the run ends (budget: SWEEP_BUDGET_S or
---budget). --quick: the first few candidates, one round.
+    OUT/w4a16.jsonl   one JSON row per check, copy or timing, flushed after each; the first row is the meta (device,
+                      SM count, torch / triton / CUDA versions, date), the last the summary
+    OUT/w4a16.json    {"meta", "summary"}, rewritten at the end
+    OUT/w4a16.log     what was printed: the table of medians and the targets
+What it does, in order:
+1. Copy roofs: a 1 GiB device-to-device copy, and per shape a copy of the packed weight's bytes; GB/s counts the bytes
+   read plus written (2 × size) per second, timed as the kernels are.
+2. Per shape (K → N: 4096 → 4096, 4096 → 14336, 14336 → 4096; group 128, random weights at nn.Linear's scale quantised
+   by `quantize_w4`, bf16) and M in 1, 2, 4, 8, 16: each variant checked against the float64 reference (fresh
+   random x, outputs poisoned with NaN first, bf16 tolerance × sqrt(K / 64)) and run twice for bit-equality (split-K
+   sums in a fixed order); a variant that fails or does not compile is a row and is not timed. Then ROUNDS interleaved
+   rounds of every passing variant and bf16 cuBLAS, each timed by `triton.testing.do_bench` (CUDA events, the L2 cache
+   flushed before every call: the weights come from HBM as in a model's decode step), median per round, median of the
+   rounds kept.
+3. Summary per (shape, M): µs of new (shipped and best candidate), old and bf16; × bf16 (bf16 µs ÷ new µs); GB/s on
+   the bytes the kernel must move (packed weight, scales, zeros, x, output) and % of the copy roof at the weight's size
+   and of the 1 GiB one. Targets: ≥ 3× bf16 at M = 1..16 on the three shapes, ≥ 80% of the copy bandwidth at M = 1.
+Compilation: ~20 kernel specialisations (a few seconds each) happen at the first check of each variant.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import importlib
+import importlib.util
 import json
 import math
+import platform
 import sys
 import time
 import traceback
@@ -47,633 +43,274 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.testing
 
+HERE = Path(__file__).resolve().parent
 SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096))  # (K, N)
-DECODE_ROWS = (1, 4, 16)
-PREFILL_ROWS = 4096
+ROWS = (1, 2, 4, 8, 16)
 GROUP = 128
 ROUNDS = 3
-BUDGET_S = 215  # no new measurement starts after this (the whole run must end within 4 minutes)
-BF16_ATOL, BF16_RTOL = 1.6e-2, 1.6e-2  # kernels/tolerances.py, bfloat16
-DEVICE = "cuda"
-
-MODES = ("bench", "sweep", "tune")  # tune: the former name of sweep
-
-DUMP_EVERY_S = 5  # the .json is rewritten at most this often (and at the end); the .jsonl gets every row at once
-START = time.monotonic()
-
-
-class Out:
-    """Rows and log lines written as they come."""
-
-    def __init__(self, folder: Path, mode: str) -> None:
-        folder.mkdir(parents=True, exist_ok=True)
-        self.jsonl = (folder / f"w4a16_{mode}.jsonl").open("a", encoding="utf-8")
-        self.log_file = (folder / f"w4a16_{mode}.log").open("a", encoding="utf-8")
-        self.json_path = folder / f"w4a16_{mode}.json"
-        self.rows: list[dict] = []
-        self.summary: dict[str, Any] = {}
-        self.dumped = 0.0
-        self.meta = meta()
-        self.log(json.dumps(self.meta))
-        self._dump()
-
-    def log(self, text: str) -> None:
-        print(text, flush=True)
-        self.log_file.write(text + "\n")
-        self.log_file.flush()
-
-    def row(self, row: dict) -> None:
-        row = {"t_s": round(time.monotonic() - START, 1), **row}
-        self.rows.append(row)
-        self.jsonl.write(json.dumps(row) + "\n")
-        self.jsonl.flush()
-        if time.monotonic() - self.dumped > DUMP_EVERY_S:  # the .json grows with the rows: not rewritten per row
-            self._dump()
-
-    def _dump(self) -> None:
-        self.dumped = time.monotonic()
-        tmp = self.json_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"meta": self.meta, "rows": self.rows, "summary": self.summary}, indent=1) + "\n")
-        tmp.replace(self.json_path)
-
-    def finish(self, summary: dict) -> None:
-        self.summary = summary
-        self._dump()
+BUDGET_S = 140.0  # no new measurement starts after this many seconds
+WARMUP_MS, REP_MS = 5, 25  # do_bench's, per timing
+TARGET_X_BF16 = 3.0
+TARGET_COPY_SHARE = 0.8
+# Candidates beside the shipped TILES, by M: (label, tiles); BLOCK_M follows M (8 up to 8 rows, 16 above).
+CANDIDATES = (
+    ("n256-k256-w8", {"BLOCK_N": 256, "BLOCK_K": 256, "KC": 128, "SPLIT_K": 0, "num_warps": 8, "num_stages": 3}),
+    ("n128-k128-w4", {"BLOCK_N": 128, "BLOCK_K": 128, "KC": 128, "SPLIT_K": 0, "num_warps": 4, "num_stages": 4}),
+    ("n64-k256-w4", {"BLOCK_N": 64, "BLOCK_K": 256, "KC": 128, "SPLIT_K": 0, "num_warps": 4, "num_stages": 3}),
+)
 
 
-def meta() -> dict:
-    import fusionscope
-
-    versions = {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-                "fusionscope": getattr(fusionscope, "__version__", None), "python": sys.version.split()[0]}  # fmt: skip
-    try:
-        import transformers
-
-        versions["transformers"] = transformers.__version__
-    except Exception as exc:  # not needed here
-        versions["transformers"] = f"not importable: {exc}"
-    cuda = DEVICE == "cuda"
-    return {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            "device": torch.cuda.get_device_name(0) if cuda else DEVICE,
-            "sms": torch.cuda.get_device_properties(0).multi_processor_count if cuda else None,
-            "versions": versions, "group_size": GROUP, "dtype": "bfloat16"}  # fmt: skip
-
-
-def over_budget() -> bool:
-    return time.monotonic() - START > BUDGET_S
-
-
-def gpu_us(fn: Callable[[], Any], rep: int = 20) -> float:
-    """Median GPU µs per call by CUDA-graph replay (launch cost excluded), after a warm-up call."""
-    fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median") * 1e3
-
-
-def copy_gbps() -> float:
-    """Device-to-device copy bandwidth, read + write bytes per second, on 1 GiB."""
-    src = torch.empty(2**29, dtype=torch.bfloat16, device=DEVICE).normal_()
-    dst = torch.empty_like(src)
-    us = gpu_us(lambda: dst.copy_(src))
-    return 2 * src.numel() * src.element_size() / (us * 1e3)
-
-
-def kernel() -> Any:
+def kernel_module():
     return importlib.import_module("fusionscope.kernels.w4a16_gemm")
 
 
-def build(K: int, N: int) -> dict:
-    mod = kernel()
-    gen = torch.Generator(device=DEVICE).manual_seed(K * 7 + N)
-    w = torch.randn(N, K, device=DEVICE, generator=gen).div_(K**0.5).to(torch.bfloat16)
-    return {"w": w, "packed": mod.quantize_w4(w, GROUP)}
+def before_module():
+    """The replaced kernel, loaded from this folder (its op registered as fusionscope::w4a16_gemm_before)."""
+    name = "w4a16_before"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, HERE / "w4a16_before.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def meta(device: torch.device) -> dict[str, Any]:
+    import triton
+
+    info: dict[str, Any] = {"kind": "meta", "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+                            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+                            "python": platform.python_version(), "device": str(device)}  # fmt: skip
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(name=props.name, sms=props.multi_processor_count, memory_gib=props.total_memory / 2**30)
+    return info
+
+
+class Out:
+    """Rows to OUT/w4a16.jsonl as they come, lines to the log and stdout."""
+
+    def __init__(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.folder = folder
+        self.jsonl = (folder / "w4a16.jsonl").open("a", encoding="utf-8")
+        self.log_file = (folder / "w4a16.log").open("a", encoding="utf-8")
+
+    def row(self, row: dict[str, Any]) -> None:
+        self.jsonl.write(json.dumps(row, default=str) + "\n")
+        self.jsonl.flush()
+
+    def log(self, line: str) -> None:
+        print(line, flush=True)
+        self.log_file.write(line + "\n")
+        self.log_file.flush()
+
+
+def cuda_timer(fn: Callable[[], Any]) -> float:
+    """µs per call: median of do_bench's CUDA-event timings, L2 flushed before each call."""
+    import triton.testing
+
+    return 1e3 * triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
+
+
+def wall_timer(fn: Callable[[], Any]) -> float:
+    """µs per call by the wall clock (the CPU stand-in the tests use)."""
+    start = time.perf_counter()
+    fn()
+    return 1e6 * (time.perf_counter() - start)
 
 
 def nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def ulp_bf16(t: torch.Tensor) -> torch.Tensor:
-    return 2.0 ** (torch.floor(torch.log2(t.abs().clamp_min(1e-30))) - 7)
+def copy_gbps(size: int, device: torch.device, timer: Callable) -> float:
+    """GB/s of a device-to-device copy of `size` bytes, counting read + write."""
+    src = torch.empty(size, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    us = timer(lambda: dst.copy_(src))
+    return 2 * size / us / 1e3
 
 
-def check(out: Out, weights: dict, K: int, N: int, M: int) -> None:
-    mod = kernel()
-    p = weights["packed"]
-    x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16)
-    fused = mod.w4a16_gemm(x, *p)
-    exact = mod.w4a16_reference(x.double(), p.qweight, p.scales.double(), p.zeros, p.group_size)
-    unfused = mod.w4a16_reference(x, *p)
-    scale = max(1.0, math.sqrt(K / 64))
-    err = (fused.double() - exact).abs()
-    limit = BF16_ATOL * scale + BF16_RTOL * scale * exact.abs()
-    diff = (fused.double() - unfused.double()).abs()
-    plan = mod.schedule(M, N, K, x.device)
-    row = {"kind": "check", "K": K, "N": N, "M": M, "splits": plan.splits, "tiles": plan.tiles,
-           "max_err_vs_fp64": err.max().item(), "passed": bool((err <= limit).all()),
-           "max_ulps_vs_unfused": (diff / ulp_bf16(unfused.double())).max().item(),
-           "share_differing_from_unfused": (diff > 0).float().mean().item()}  # fmt: skip
-    if M in (1, 16) and DEVICE == "cuda":
-        static_x = x.clone()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            mod.w4a16_gemm(static_x, *p)  # warm-up on the side stream
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            graphed = mod.w4a16_gemm(static_x, *p)
-        static_x.copy_(torch.randn_like(x))
-        graph.replay()
-        torch.cuda.synchronize()
-        row["graph_replay_equals_eager"] = bool(torch.equal(graphed, mod.w4a16_gemm(static_x, *p)))
-    out.row(row)
-    out.log(f"check K{K} N{N} M{M}: {row}")
+def rows_tiles(config: dict[str, int], M: int) -> dict[str, int]:
+    return dict(config, BLOCK_M=8 if M <= 8 else 16)
 
 
-def check_compile(out: Out, weights: dict, K: int, N: int) -> None:
-    mod = kernel()
-    p = weights["packed"]
-    x = torch.randn(1, K, device=DEVICE, dtype=torch.bfloat16)
-    t0 = time.monotonic()
-    compiled = torch.compile(lambda x: mod.w4a16_gemm(x, *p), fullgraph=True)
-    got = compiled(x)
-    row = {"kind": "compile", "K": K, "N": N, "M": 1, "equals_eager": bool(torch.equal(got, mod.w4a16_gemm(x, *p))),
-           "compile_s": round(time.monotonic() - t0, 1)}  # fmt: skip
-    out.row(row)
-    out.log(f"compile: {row}")
+def new_variants(M: int) -> dict[str, dict[str, int] | None]:
+    """{label: tiles for every M, or None for the shipped TILES}."""
+    return {"new": None, **{f"new:{label}": rows_tiles(config, M) for label, config in CANDIDATES}}
 
 
-def variants(weights: dict, torchao: Callable | None) -> dict[str, Callable[[torch.Tensor], Any]]:
-    mod = kernel()
-    p = weights["packed"]
-    found = {
-        "fused": lambda x: mod.w4a16_gemm(x, *p),
-        "unfused": lambda x: mod.w4a16_reference(x, *p),
-        "bf16": lambda x: F.linear(x, weights["w"]),
-    }
-    if torchao is not None:
-        try:
-            linear = torchao(weights["w"])
-            found["torchao"] = lambda x: linear(x)
-        except Exception as exc:
-            weights["torchao_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-    return found
-
-
-def traffic(name: str, weights: dict, M: int, K: int, N: int) -> int | None:
-    """The least bytes a variant must move: its inputs read once, its output written once."""
-    p, act = weights["packed"], (M * K + M * N) * 2
-    if name == "fused":
-        return nbytes(p.qweight, p.scales, p.zeros) + act
-    if name == "bf16":
-        return nbytes(weights["w"]) + act
-    return None  # the unfused chain and torchao: their own layouts' temporaries are not modelled here
-
-
-def bench(out: Out, weights: dict, K: int, N: int, M: int, torchao: Callable | None, copy: float) -> None:
-    x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16)
-    fns = variants(weights, torchao)
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(ROUNDS):
-        for name, fn in fns.items():
-            if name not in times:  # failed in an earlier round
-                continue
-            try:
-                times[name].append(gpu_us(lambda fn=fn: fn(x)))
-            except Exception as exc:
-                del times[name]
-                out.row({"kind": "bench", "K": K, "N": N, "M": M, "variant": name,
-                         "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"})  # fmt: skip
-    medians = {name: sorted(t)[len(t) // 2] for name, t in times.items() if t}
-    for name, us in medians.items():
-        moved = traffic(name, weights, M, K, N)
-        gbps = moved / (us * 1e3) if moved else None
-        row = {"kind": "bench", "K": K, "N": N, "M": M, "variant": name, "gpu_us": us, "rounds_us": times[name],
-               "bytes": moved, "gbps": gbps, "pct_copy_bw": 100 * gbps / copy if gbps else None,
-               "speedup_vs_bf16": medians["bf16"] / us if "bf16" in medians else None}  # fmt: skip
-        out.row(row)
-    if "torchao_error" in weights:
-        out.row({"kind": "bench", "K": K, "N": N, "M": M, "variant": "torchao", "error": weights["torchao_error"]})
-    fused = medians.get("fused")
-    line = ", ".join(f"{n} {t:.1f} µs" for n, t in medians.items())
-    out.log(f"bench K{K} N{N} M{M}: {line}" + (f"; fused {medians['bf16'] / fused:.2f}× bf16" if fused else ""))
-
-
-def run_bench(out: Out) -> None:
-    from fusionscope.bench.cases import _torchao_int4
-
-    copy = copy_gbps()
-    torchao, torchao_note = _torchao_int4(GROUP)
-    out.meta["copy_gbps"] = copy
-    out.meta["torchao"] = torchao_note if torchao is None else f"torchao {torchao_note}"
-    out.log(f"copy bandwidth {copy:.0f} GB/s; torchao: {out.meta['torchao']}")
-    built = {}
-    for K, N in SHAPES:
-        built[(K, N)] = build(K, N)
-        for M in (*DECODE_ROWS, PREFILL_ROWS):
-            if over_budget():
-                out.log("time budget spent: remaining checks skipped")
-                break
-            try:
-                check(out, built[(K, N)], K, N, M)
-            except Exception as exc:
-                out.row({"kind": "check", "K": K, "N": N, "M": M, "error": repr(exc)[:300]})
-                out.log(traceback.format_exc())
-    for K, N in SHAPES:
-        for M in (*DECODE_ROWS, PREFILL_ROWS):
-            if over_budget():
-                out.log("time budget spent: remaining timings skipped")
-                break
-            try:
-                bench(out, built[(K, N)], K, N, M, torchao, copy)
-            except Exception as exc:
-                out.row({"kind": "bench", "K": K, "N": N, "M": M, "error": repr(exc)[:300]})
-                out.log(traceback.format_exc())
-    if time.monotonic() - START < BUDGET_S - 60:  # a first compile takes tens of seconds
-        try:
-            check_compile(out, built[SHAPES[0]], *SHAPES[0])
-        except Exception as exc:
-            out.row({"kind": "compile", "error": repr(exc)[:300]})
-            out.log(traceback.format_exc())
-    else:
-        out.row({"kind": "compile", "skipped": "time budget"})
-    summary = {}
-    for r in out.rows:
-        if r.get("kind") == "bench" and r.get("variant") == "fused" and "gpu_us" in r:
-            summary[f"K{r['K']} N{r['N']} M{r['M']}"] = {
-                "fused_us": r["gpu_us"], "speedup_vs_bf16": r["speedup_vs_bf16"], "pct_copy_bw": r["pct_copy_bw"]
-            }  # fmt: skip
-    summary["checks_passed"] = all(r.get("passed", False) for r in out.rows if r.get("kind") == "check")
-    out.finish(summary)
-    out.log(json.dumps(summary, indent=1))
-
-
-def gemv(bn: int, bk: int, warps: int, prefetch: bool = True, bm: int = 4, split: int = 0) -> dict:
-    """A configuration of the CUDA-core decode kernel (`_w4a16_gemv_kernel`); num_stages changes nothing there."""
-    return {"KERNEL": "gemv", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": warps,
-            "num_stages": 1, "PREFETCH": prefetch}  # fmt: skip
-
-
-def mma(bm: int, bn: int, bk: int, warps: int, stages: int, unpack: str = "tile", split: int = 0,
-        group_m: int = 1) -> dict:  # fmt: skip
-    """A configuration of the tensor-core kernel (`_w4a16_mma_kernel`)."""
-    return {"KERNEL": "mma", "UNPACK": unpack, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split,
-            "GROUP_M": group_m, "num_warps": warps, "num_stages": stages}  # fmt: skip
-
-
-# (config, programs per SM for SPLIT_K = 0), besides the shipped TILES ("shipped") and the schedule measured on
-# 2026-12-01 ("before"): decode ones are timed at M = 1, 4 and 16 on each shape, prefill ones at M = 4096, in this
-# order (--quick keeps the first few). gemv's BLOCK_M is a most: the schedule takes min(BLOCK_M, next power of two
-# ≥ M). Compiled for sm_90 with Triton 3.9's ptxas (no GPU), none asks for more shared memory than an H200 has and only
-# the 128 × 256 × 128 prefill tile with 3 stages spills registers (16 bytes); left out for that: gemv BLOCK_M 4 with 4
-# warps and 256 columns (592 bytes spilled), 256 × 128 × 128 with 3 stages (241 KiB of shared memory).
-SWEEP_DECODE: list[tuple[dict, int]] = [
-    (gemv(128, 128, 4), 2),
-    (gemv(256, 128, 8, prefetch=False), 2),
-    (mma(16, 64, 256, 4, 3), 2),
-    (gemv(64, 128, 2), 2),
-    (gemv(256, 128, 8), 4),
-    (gemv(256, 128, 8, split=1), 2),
-    (gemv(256, 128, 8, bm=2), 2),
-    (gemv(512, 128, 8, bm=1), 2),
-    (gemv(256, 128, 4, bm=1), 2),
-    (gemv(128, 256, 4, prefetch=False), 2),
-    (mma(16, 256, 128, 4, 3), 2),
-    (mma(16, 128, 256, 8, 3), 2),
-    (mma(16, 64, 128, 4, 3), 2),
-    (mma(16, 128, 128, 4, 4), 4),
-]
-SWEEP_PREFILL: list[tuple[dict, int]] = [
-    (mma(128, 128, 128, 8, 3, split=1, group_m=8), 2),
-    (mma(128, 256, 128, 8, 3, split=1, group_m=8), 2),
-    (mma(256, 128, 128, 8, 2, split=1, group_m=8), 2),
-    (mma(64, 256, 128, 4, 3, split=1, group_m=8), 2),
-    (mma(128, 128, 128, 4, 4, split=1, group_m=8), 2),
-    (mma(128, 256, 128, 8, 2, split=1, group_m=16), 2),
-    (mma(128, 128, 256, 8, 2, split=1, group_m=8), 2),
-]
-QUICK_DECODE, QUICK_PREFILL = 3, 1  # --quick keeps the first of each list
-SWEEP_BUDGET_S = 285  # no new measurement starts after this; the summary is written whatever happened
-SWEEP_REP_MS = 10  # do_bench_cudagraph's rep per timing
-ROOF_ELEMENTS = 2**29  # bf16 elements of the copy and read roofs: 1 GiB
-
-
-def label(config: dict, fill: int) -> str:
-    """A short name of a configuration, unique within the sweep."""
-    c = config
-    split = f"S{c['SPLIT_K']}" if c["SPLIT_K"] else f"auto{fill}"
-    if c["KERNEL"] == "gemv":
-        return (f"gemv BM{c['BLOCK_M']} BN{c['BLOCK_N']} BK{c['BLOCK_K']} W{c['num_warps']} "
-                f"{'pf' if c.get('PREFETCH') else 'nopf'} {split}")  # fmt: skip
-    return (f"mma-{c['UNPACK']} {c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} W{c['num_warps']} st{c['num_stages']} "
-            f"G{c['GROUP_M']} {split}")  # fmt: skip
-
-
-class Applied:
-    """Within the block, `w4a16_gemm` runs `config` at every M (TILES replaced by one unbounded entry) with FILL's
-    programs per SM = fill; or, with config None, the TILES given (None: as committed). Restored on exit; Tunables
-    forget the recorded launch plans on every change."""
-
-    def __init__(self, config: dict | None, fill: int | None = None, tiles: dict | None = None) -> None:
-        self.config, self.fill, self.tiles = config, fill, tiles
-
-    def __enter__(self) -> None:
-        mod = kernel()
-        self.saved_tiles, self.saved_fill = dict(mod.TILES), dict(mod.FILL)
-        if self.config is not None:
-            mod.TILES.clear()
-            mod.TILES["sweep"] = (None, dict(self.config))
-        elif self.tiles is not None:
-            mod.TILES.clear()
-            mod.TILES.update(self.tiles)
-        if self.fill is not None:
-            mod.FILL["programs_per_sm"] = self.fill
-
-    def __exit__(self, *exc: object) -> None:
-        mod = kernel()
-        mod.TILES.clear()
-        mod.TILES.update(self.saved_tiles)
-        mod.FILL.clear()
-        mod.FILL.update(self.saved_fill)
-
-
-def sweep_variants(quick: bool) -> dict[str, Applied]:
-    """name → what to apply: the shipped TILES, the schedule measured on 2026-12-01, then the candidates."""
-    mod = kernel()
-    decode = SWEEP_DECODE[:QUICK_DECODE] if quick else SWEEP_DECODE
-    prefill = SWEEP_PREFILL[:QUICK_PREFILL] if quick else SWEEP_PREFILL
-    found = {"shipped": Applied(None), "before": Applied(None, tiles=dict(mod.SHIPPED_BEFORE))}
-    for config, fill in (*decode, *prefill):
-        found[label(config, fill)] = Applied(config, fill)
-    return found
-
-
-def is_decode(name: str, variant: Applied) -> bool | None:
-    """True for a decode candidate, False for a prefill one, None for the shipped schedules (both)."""
-    if variant.config is None:
-        return None
-    return (variant.config, variant.fill) in SWEEP_DECODE
-
-
-def rotating(fns: list[Callable[[], Any]]) -> Callable[[], Any]:
-    """Each call runs the next of `fns`: captured in a CUDA graph, consecutive calls read different weights."""
-    state = {"i": 0}
-
-    def call() -> Any:
-        fn = fns[state["i"] % len(fns)]
-        state["i"] += 1
-        return fn()
-
-    return call
-
-
-def copies_for(nbytes_one: int, cold: bool) -> int:
-    """Copies of a weight so that the calls cycling through them read from HBM, not L2: twice the L2 in all."""
-    if not cold:
-        return 1
-    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 * 2**20)
-    return max(1, min(16, math.ceil(2 * l2 / nbytes_one)))
-
-
-def _roofs_on(src: torch.Tensor, dst: torch.Tensor) -> dict:
-    size = src.numel() * src.element_size()
-
-    def events_us(fn: Callable[[], Any]) -> float:
-        return triton.testing.do_bench(fn, return_mode="median") * 1e3
-
-    return {"bytes": size, "copy_gbps": 2 * size / (gpu_us(lambda: dst.copy_(src)) * 1e3),
-            "read_gbps": size / (gpu_us(lambda: src.sum()) * 1e3),
-            "copy_gbps_events": 2 * size / (events_us(lambda: dst.copy_(src)) * 1e3),
-            "read_gbps_events": size / (events_us(lambda: src.sum()) * 1e3)}  # fmt: skip
-
-
-def roofs(out: Out) -> dict:
-    """Copy and read bandwidth, timed as the kernels are (CUDA-graph replay, median), on 1 GiB: the copy counts read
-    + write bytes, the read (a sum) its input's; and both by CUDA events (triton's do_bench, L2 flushed between calls),
-    the way a copy figure is usually quoted."""
-    src = torch.empty(ROOF_ELEMENTS, dtype=torch.bfloat16, device=DEVICE).normal_()
-    found = _roofs_on(src, torch.empty_like(src))
-    del src
-    torch.cuda.empty_cache()
-    out.log("roofs: " + ", ".join(f"{k} {v:.0f}" for k, v in found.items()))
-    return found
-
-
-def error_text(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-
-
-def read_gbps_at(nbytes_one: int, cold: bool) -> float:
-    """A pure read (a sum) of a tensor of the given size, cycling through copies as the kernels' timings do: the read
-    roof at the size a call actually reads."""
-    n = max(1, nbytes_one // 2)
-    tensors = [torch.randn(n, device=DEVICE, dtype=torch.bfloat16) for _ in range(copies_for(nbytes_one, cold))]
-    us = gpu_us(rotating([lambda t=t: t.sum() for t in tensors]), rep=SWEEP_REP_MS)
-    return n * 2 / (us * 1e3)
-
-
-def sweep_point(out: Out, K: int, N: int, M: int, built: dict, variants: dict[str, Applied], roof: dict,
-                rounds: int, cold: bool) -> None:  # fmt: skip
-    """One (shape, M): check every variant against float64, then time the ones that pass with bf16 cuBLAS in
-    `rounds` interleaved rounds; one row per variant with the medians."""
-    mod = kernel()
-    packs, ws = built["packs"], built["ws"]
-    p = packs[0]
-    x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16)
-    exact = mod.w4a16_reference(x.double(), p.qweight, p.scales.double(), p.zeros, p.group_size)
-    scale = max(1.0, math.sqrt(K / 64))
-    limit = BF16_ATOL * scale + BF16_RTOL * scale * exact.abs()
-    decode = M <= 16
-    fns: dict[str, Callable[[], Any]] = {"bf16": rotating([lambda w=w: F.linear(x, w) for w in ws])}
-    info: dict[str, dict] = {}
-    for name, variant in variants.items():
-        kind = is_decode(name, variant)
-        if kind is not None and kind != decode:
-            continue
-        if over_budget():
-            break
-        row = {"kind": "sweep_check", "K": K, "N": N, "M": M, "variant": name, "config": variant.config}
-        try:
-            with variant:
-                row["splits"] = mod.schedule(M, N, K, x.device).splits
-                row["tiles"] = mod.schedule(M, N, K, x.device).tiles
-                got = mod.w4a16_gemm(x, *p)
-                torch.cuda.synchronize()
-            err = (got.double() - exact).abs()
-            row.update(max_err=err.max().item(), passed=bool((err <= limit).all()))
-        except Exception as exc:  # a configuration that does not compile (shared memory, registers) is a finding
-            row.update(passed=False, error=error_text(exc))
-        out.row(row)
-        if row["passed"]:
-            info[name] = row
-            fns[name] = rotating([lambda q=q: mod.w4a16_gemm(x, *q) for q in packs])  # timed inside `with variant`
-        else:
-            out.log(f"sweep K{K} N{N} M{M} {name}: FAILED {row.get('error', row.get('max_err'))}")
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for r in range(rounds):
-        for name, fn in fns.items():
-            if over_budget() or name not in times:
-                continue
-            try:
-                variant = variants.get(name)
-                if variant is None:
-                    us = gpu_us(fn, rep=SWEEP_REP_MS)
-                else:
-                    with variant:  # the plans recorded in the warm-up call are this variant's
-                        us = gpu_us(fn, rep=SWEEP_REP_MS)
-                times[name].append(us)
-                out.row({"kind": "sweep_time", "K": K, "N": N, "M": M, "variant": name, "round": r, "gpu_us": us})
-            except Exception as exc:
-                del times[name]
-                out.row({"kind": "sweep_time", "K": K, "N": N, "M": M, "variant": name, "error": error_text(exc)})
-    medians = {name: sorted(t)[len(t) // 2] for name, t in times.items() if t}
-    fused_bytes = nbytes(p.qweight, p.scales, p.zeros) + (M * K + M * N) * 2
-    bf16_bytes = nbytes(ws[0]) + (M * K + M * N) * 2
-    for name, us in medians.items():
-        moved = bf16_bytes if name == "bf16" else fused_bytes
-        gbps = moved / (us * 1e3)
-        row = {"kind": "sweep", "K": K, "N": N, "M": M, "variant": name, "gpu_us": us, "rounds_us": times[name],
-               "bytes": moved, "gbps": gbps, "pct_copy": 100 * gbps / roof["copy_gbps"],
-               "pct_read": 100 * gbps / roof["read_gbps"], "pct_read_same_size": 100 * gbps / built["read_gbps"],
-               "vs_bf16": medians["bf16"] / us if "bf16" in medians else None,
-               "vs_shipped": medians["shipped"] / us if "shipped" in medians else None,
-               "splits": info.get(name, {}).get("splits"),
-               "config": getattr(variants.get(name), "config", None)}  # fmt: skip
-        out.row(row)
-    line = ", ".join(f"{n} {t:.2f}" for n, t in sorted(medians.items(), key=lambda kv: kv[1])[:6])
-    out.log(f"sweep K{K} N{N} M{M} (µs, fastest first): {line}")
-
-
-def sweep_summary(out: Out) -> dict:
-    """Best variant per (shape, M), and per M the candidate with the best geometric-mean time ratio to bf16 over the
-    shapes where it ran (the one to put in TILES)."""
-    rows = [r for r in out.rows if r.get("kind") == "sweep"]
-    points = sorted({(r["K"], r["N"], r["M"]) for r in rows}, key=lambda t: (t[2], t[0], t[1]))
-    table, best_by_m = [], {}
-    header = (f"{'K → N':>14} {'M':>5} {'best':<44} {'µs':>8} {'%copy':>6} {'%read':>6} {'%read@size':>10} "
-              f"{'×bf16':>6} {'bf16 µs':>8} {'shipped µs':>10} {'before µs':>9}")  # fmt: skip
-    out.log(header)
-    for K, N, M in points:
-        here = {r["variant"]: r for r in rows if (r["K"], r["N"], r["M"]) == (K, N, M)}
-        fused = {n: r for n, r in here.items() if n != "bf16"}
-        if not fused:
-            continue
-        name, b = min(fused.items(), key=lambda kv: kv[1]["gpu_us"])
-        entry = {"K": K, "N": N, "M": M, "best": name, "config": b["config"], "gpu_us": b["gpu_us"],
-                 "pct_copy": b["pct_copy"], "pct_read": b["pct_read"], "pct_read_same_size": b["pct_read_same_size"],
-                 "vs_bf16": b["vs_bf16"], "bf16_us": here.get("bf16", {}).get("gpu_us"),
-                 "shipped_us": here.get("shipped", {}).get("gpu_us"),
-                 "before_us": here.get("before", {}).get("gpu_us")}  # fmt: skip
-        table.append(entry)
-
-        def fmt(v: float | None, f: str) -> str:
-            return format(v, f) if v is not None else "-"
-
-        out.log(f"{f'{K} → {N}':>14} {M:>5} {name:<44} {b['gpu_us']:>8.2f} {b['pct_copy']:>6.0f} "
-                f"{b['pct_read']:>6.0f} {b['pct_read_same_size']:>10.0f} {fmt(b['vs_bf16'], '.2f'):>6} "
-                f"{fmt(entry['bf16_us'], '.2f'):>8} {fmt(entry['shipped_us'], '.2f'):>10} "
-                f"{fmt(entry['before_us'], '.2f'):>9}")  # fmt: skip
-    for M in sorted({m for _, _, m in points}):
-        ratios: dict[str, list[float]] = {}
-        for r in rows:
-            if r["M"] == M and r["variant"] != "bf16" and r.get("vs_bf16"):
-                ratios.setdefault(r["variant"], []).append(r["vs_bf16"])
-        shapes = max((len(v) for v in ratios.values()), default=0)
-        complete = {n: math.exp(sum(map(math.log, v)) / len(v)) for n, v in ratios.items() if len(v) == shapes}
-        if complete:
-            name = max(complete, key=complete.get)
-            best_by_m[M] = {"variant": name, "geomean_vs_bf16": complete[name], "shapes": shapes}
-            out.log(f"M = {M}: best over {shapes} shapes {name} (geometric mean {complete[name]:.2f}× bf16)")
-    return {"best": table, "best_by_m": best_by_m}
-
-
-def run_sweep(out: Out, quick: bool = False, budget_s: float | None = None, cold: bool = True) -> None:
-    """The sweep (module docstring). Every row is written as it comes; the summary is written however it ends."""
-    global BUDGET_S
-    BUDGET_S = budget_s if budget_s is not None else SWEEP_BUDGET_S
-    rounds = 1 if quick else ROUNDS
-    out.meta.update(mode="sweep", quick=quick, budget_s=BUDGET_S, rounds=rounds, cold_l2=cold,
-                    shipped_tiles=dict(kernel().TILES), before_tiles=kernel().SHIPPED_BEFORE)  # fmt: skip
+def run_new(mod, tiles: dict[str, int] | None, call: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`call` with the module's TILES replaced by one unbounded entry (`tiles`), or as shipped (None)."""
+    if tiles is None:
+        return call()
+    saved = dict(mod.TILES)
+    mod.TILES.clear()
+    mod.TILES["only"] = (None, tiles)
     try:
-        try:
-            roof = roofs(out)
-        except Exception:  # no roof is no reason to skip the kernels: their shares of it are NaN
-            out.log(traceback.format_exc())
-            roof = {"copy_gbps": math.nan, "read_gbps": math.nan}
-        out.meta["roofs"] = roof
-        out.meta["copy_gbps"] = roof["copy_gbps"]
-        variants = sweep_variants(quick)
-        out.log(f"{len(variants)} variants: {', '.join(variants)}")
-        mod = kernel()
-        for K, N in SHAPES:
-            if over_budget():
-                out.log("time budget spent: remaining shapes skipped")
-                break
-            w = build(K, N)
-            packed_bytes = nbytes(*w["packed"][:3])
-            built = {"packs": [w["packed"]], "ws": [w["w"]]}
-            for _ in range(copies_for(packed_bytes, cold) - 1):
-                built["packs"].append(mod.PackedW4(*(t.clone() for t in w["packed"][:3]), w["packed"].group_size))
-            for _ in range(copies_for(nbytes(w["w"]), cold) - 1):
-                built["ws"].append(w["w"].clone())
-            try:
-                built["read_gbps"] = read_gbps_at(packed_bytes, cold)
-            except Exception:
-                out.log(traceback.format_exc())
-                built["read_gbps"] = math.nan
-            out.row({"kind": "read_roof_at_size", "K": K, "N": N, "bytes": packed_bytes, "gbps": built["read_gbps"],
-                     "copies": len(built["packs"])})  # fmt: skip
-            for M in (*DECODE_ROWS, PREFILL_ROWS):
-                if over_budget():
-                    out.log(f"time budget spent: K{K} N{N} M{M} and later skipped")
-                    break
-                try:
-                    sweep_point(out, K, N, M, built, variants, roof, rounds, cold)
-                except Exception as exc:
-                    out.row({"kind": "sweep", "K": K, "N": N, "M": M, "error": repr(exc)[:300]})
-                    out.log(traceback.format_exc())
-            del w, built
-            torch.cuda.empty_cache()
-    except Exception:
-        out.log(traceback.format_exc())
+        return call()
     finally:
-        summary = sweep_summary(out)
-        out.finish(summary)
+        mod.TILES.clear()
+        mod.TILES.update(saved)
 
 
-def main() -> None:
-    args = sys.argv[1:]
-    flags = {a for a in args if a.startswith("--")}
-    budget = None
-    if "--budget" in args:
-        i = args.index("--budget")
-        budget = float(args[i + 1])
-        args = args[:i] + args[i + 2 :]
-        flags.discard("--budget")
-    positional = [a for a in args if not a.startswith("--")]
-    unknown = flags - {"--quick", "--warm-l2"}
-    if not positional or len(positional) > 2 or unknown or (len(positional) == 2 and positional[1] not in MODES):
-        sys.exit("usage: gpu_w4a16.py OUT [bench|sweep|tune] [--quick] [--budget SECONDS] [--warm-l2]")
+def variant_calls(mod, old, x: torch.Tensor, p, old_q: torch.Tensor, weight: torch.Tensor) -> dict[str, Callable]:
+    """{label: call(out=None)} for the new variants and the old kernel, and bf16 cuBLAS (no out)."""
+    calls: dict[str, Callable[..., torch.Tensor]] = {}
+    for label, tiles in new_variants(x.shape[0]).items():
+        calls[label] = lambda o=None, tiles=tiles: run_new(mod, tiles, lambda: mod.w4a16_gemm(x, *p, out=o))
+    calls["old"] = lambda o=None: old.w4a16_gemm(x, old_q, p.scales, p.zeros, GROUP, out=o)
+    calls["bf16"] = lambda: F.linear(x, weight)
+    return calls
+
+
+def plan_of(mod, label: str, M: int, N: int, K: int, device: torch.device):
+    tiles = new_variants(M)[label]
+    return run_new(mod, tiles, lambda: mod.schedule(M, N, K, device, GROUP))
+
+
+def measure(out: Out, folder: Path, device: torch.device | None = None, shapes=SHAPES, rows=ROWS,
+            rounds: int = ROUNDS, budget_s: float = BUDGET_S, timer: Callable | None = None) -> dict:  # fmt: skip
+    """The whole run (module docstring); returns the summary, also written as the last row."""
+    from fusionscope.kernels.tolerances import assert_close
+
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    timer = timer or (cuda_timer if device.type == "cuda" else wall_timer)
+    mod, old = kernel_module(), before_module()
+    info = meta(device)
+    out.row(info)
+    out.log(json.dumps(info))
+    summary: dict[str, Any] = {"kind": "summary", "points": [], "copy_gbps_1gib": None, "stopped": None}
+    start = time.monotonic()
+
+    def over() -> bool:
+        if time.monotonic() - start > budget_s:
+            summary["stopped"] = f"time budget spent ({budget_s:.0f} s)"
+            return True
+        return False
+
+    summary["copy_gbps_1gib"] = copy_gbps(1 << 30 if device.type == "cuda" else 1 << 20, device, timer)
+    out.row({"kind": "copy", "bytes": "1GiB", "gbps": summary["copy_gbps_1gib"]})
+    for K, N in shapes:
+        if over():
+            break
+        gen = torch.Generator().manual_seed(K + N)
+        weight = (torch.randn(N, K, generator=gen) / K**0.5).to(device, torch.bfloat16)
+        p = mod.quantize_w4(weight, GROUP)
+        old_q = old.pack_w4(mod.unpack_w4(p.qweight, K))  # the same levels in the replaced kernel's layout
+        w64 = mod.dequantize_w4(p.qweight, p.scales.double(), p.zeros, GROUP, K)  # (K, N) float64
+        at_size = copy_gbps(nbytes(p.qweight), device, timer)
+        out.row({"kind": "copy", "K": K, "N": N, "bytes": nbytes(p.qweight), "gbps": at_size})
+        for M in rows:
+            if over():
+                break
+            x = torch.randn(M, K, generator=gen).to(device, torch.bfloat16)
+            exact = x.double() @ w64
+            moved = nbytes(p.qweight, p.scales, p.zeros, x) + M * N * 2
+            calls = variant_calls(mod, old, x, p, old_q, weight)
+            passing = []
+            for label, call in calls.items():
+                row = {"kind": "check", "K": K, "N": N, "M": M, "variant": label}
+                try:
+                    if label != "bf16":  # bf16 is the float weight's answer: no tolerance against the quantised one
+                        target = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=device)
+                        got = call(target)
+                        assert got is target
+                        assert_close(got, exact, torch.bfloat16, scale=max(1.0, math.sqrt(K / 64)))
+                        row["bit_equal_twice"] = bool(torch.equal(call(), got))
+                        row["max_abs_err"] = float((got.double() - exact).abs().max())
+                    if label.startswith("new"):
+                        plan = plan_of(mod, label, M, N, K, device)
+                        row.update(tiles=plan.tiles, splits=plan.splits, even=plan.even)
+                    row["ok"] = True
+                    passing.append(label)
+                except Exception as exc:  # a failure is a row; the variant is not timed
+                    row.update(
+                        ok=False, error=f"{type(exc).__name__}: {exc}"[:2000], trace=traceback.format_exc()[-2000:]
+                    )
+                out.row(row)
+            times: dict[str, list[float]] = {label: [] for label in passing}
+            for r in range(rounds):
+                if over():
+                    break
+                for label in passing:
+                    us = timer(calls[label])
+                    times[label].append(us)
+                    out.row({"kind": "time", "K": K, "N": N, "M": M, "variant": label, "round": r, "us": us})
+            medians = {label: sorted(v)[len(v) // 2] for label, v in times.items() if v}
+            point = summarise(K, N, M, medians, moved, at_size, summary["copy_gbps_1gib"])
+            summary["points"].append(point)
+            out.row({"kind": "point", **point})
+            out.log(line(point))
+    targets(summary)
+    summary["elapsed_s"] = time.monotonic() - start
+    out.row(summary)
+    (folder / "w4a16.json").write_text(json.dumps({"meta": info, "summary": summary}, indent=1, default=str))
+    for text in summary["target_lines"]:
+        out.log(text)
+    return summary
+
+
+def summarise(K: int, N: int, M: int, medians: dict[str, float], moved: int, at_size: float, roof: float) -> dict:
+    """One (shape, M): the medians, the best new variant, × bf16 and the copy shares."""
+    news = {k: v for k, v in medians.items() if k.startswith("new")}
+    best = min(news, key=news.get) if news else None
+    point = {"K": K, "N": N, "M": M, "us": medians, "best_new": best, "bytes": moved}
+    bf16 = medians.get("bf16")
+    for key, label in (("shipped", "new"), ("best", best), ("old", "old")):
+        us = medians.get(label) if label else None
+        point[f"{key}_us"] = us
+        point[f"{key}_x_bf16"] = bf16 / us if us and bf16 else None
+        point[f"{key}_gbps"] = moved / us / 1e3 if us else None
+        point[f"{key}_copy_share_at_size"] = moved / us / 1e3 / at_size if us and at_size else None
+        point[f"{key}_copy_share_1gib"] = moved / us / 1e3 / roof if us and roof else None
+    return point
+
+
+def line(point: dict) -> str:
+    def f(v: float | None, spec: str = ".2f") -> str:
+        return "—" if v is None else format(v, spec)
+
+    us = point["us"]
+    return (f"{point['K']:>5} → {point['N']:<5} M {point['M']:>2}: new {f(us.get('new'))} µs "
+            f"({f(point['shipped_x_bf16'])}× bf16, {f(point['shipped_gbps'], '.0f')} GB/s, "
+            f"{f(100 * point['shipped_copy_share_at_size'] if point['shipped_copy_share_at_size'] else None, '.0f')}% "
+            f"copy at size) | best {point['best_new']} {f(point['best_us'])} µs ({f(point['best_x_bf16'])}×) | "
+            f"old {f(us.get('old'))} µs ({f(point['old_x_bf16'])}×) | bf16 {f(us.get('bf16'))} µs")  # fmt: skip
+
+
+def targets(summary: dict) -> None:
+    """Each target, met or not, per point, for the shipped tiles and the best candidate."""
+    lines, verdict = [], {}
+    for key in ("shipped", "best"):
+        x = [p[f"{key}_x_bf16"] for p in summary["points"]]
+        share = [p[f"{key}_copy_share_at_size"] for p in summary["points"] if p["M"] == 1]
+        x_ok = bool(x) and all(v is not None and v >= TARGET_X_BF16 for v in x)
+        share_ok = bool(share) and all(v is not None and v >= TARGET_COPY_SHARE for v in share)
+        verdict[key] = {"x_bf16_met": x_ok, "copy_share_m1_met": share_ok,
+                        "x_bf16_min": min((v for v in x if v is not None), default=None),
+                        "copy_share_m1_min": min((v for v in share if v is not None), default=None)}  # fmt: skip
+        lines.append(f"{key}: >= {TARGET_X_BF16}x bf16 at every point: {'met' if x_ok else 'MISSED'} (min "
+                     f"{verdict[key]['x_bf16_min']}); >= {TARGET_COPY_SHARE:.0%} of the copy bandwidth at M = 1: "
+                     f"{'met' if share_ok else 'MISSED'} (min {verdict[key]['copy_share_m1_min']})")  # fmt: skip
+    summary["targets"] = verdict
+    summary["target_lines"] = lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--budget", type=float, default=BUDGET_S)
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("gpu_w4a16.py needs a CUDA GPU")
-    mode = positional[1] if len(positional) > 1 else "bench"
-    mode = "sweep" if mode == "tune" else mode
-    out = Out(Path(positional[0]), mode)
-    torch._dynamo.config.recompile_limit = 64
-    try:
-        if mode == "sweep":
-            run_sweep(out, quick="--quick" in flags, budget_s=budget, cold="--warm-l2" not in flags)
-        else:
-            run_bench(out)
-    except Exception:
-        out.log(traceback.format_exc())
-        raise
-    out.log(f"done in {time.monotonic() - START:.0f} s")
+        print("no CUDA device", file=sys.stderr)
+        return 2
+    out = Out(args.out)
+    summary = measure(out, args.out, budget_s=args.budget)
+    return 0 if summary["points"] else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

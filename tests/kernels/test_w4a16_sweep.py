@@ -1,24 +1,21 @@
-"""`reports/w4a16/gpu_w4a16.py sweep` on the CPU: every configuration it will time on the GPU computes the right answer
-here first (so the one GPU run does not discover a broken candidate), and the sweep's own bookkeeping — checks,
-interleaved timings, rows written as they come, the summary table, the time budget — runs end to end with the
-interpreter standing in for the GPU and a wall clock for CUDA-graph timing."""
+"""`reports/w4a16/gpu_w4a16.py` on the CPU: the run the other machine makes — every variant it times (the shipped
+tiles, the candidates, the replaced kernel from `w4a16_before.py`) checked against float64 with outputs poisoned,
+then timed in interleaved rounds, rows written as they come, the summary and the targets — end to end with the
+interpreter standing in for the GPU, a wall clock for CUDA events and small shapes."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import math
-import time
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
-from fusionscope.kernels.tolerances import assert_close
-from fusionscope.kernels.w4a16_gemm import INTERPRETER, quantize_w4, schedule, w4a16_gemm, w4a16_reference
+from fusionscope.kernels.w4a16_gemm import INTERPRETER
 
 from tests.conftest import REPO
-from tests.kernels.conftest import device, poisoned, randn
+from tests.kernels.conftest import device
 
 
 def _script() -> ModuleType:
@@ -28,8 +25,7 @@ def _script() -> ModuleType:
     return module
 
 
-SWEEP = _script()
-VARIANTS = SWEEP.sweep_variants(quick=False)
+SCRIPT = _script()
 
 
 @pytest.fixture(autouse=True)
@@ -37,96 +33,47 @@ def _gpu_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(INTERPRETER, "enabled", False)
 
 
-def test_candidates_are_distinct_and_quick_keeps_the_first() -> None:
-    configs = [label for label in VARIANTS if label not in ("shipped", "before")]
-    assert len(configs) == len(SWEEP.SWEEP_DECODE) + len(SWEEP.SWEEP_PREFILL)  # labels unique
-    quick = SWEEP.sweep_variants(quick=True)
-    first = [*SWEEP.SWEEP_DECODE[: SWEEP.QUICK_DECODE], *SWEEP.SWEEP_PREFILL[: SWEEP.QUICK_PREFILL]]
-    assert list(quick) == ["shipped", "before", *(SWEEP.label(config, fill) for config, fill in first)]
+def _run(tmp_path: Path, **kwargs) -> tuple[dict, list[dict]]:
+    out = SCRIPT.Out(tmp_path)
+    summary = SCRIPT.measure(out, tmp_path, device=device(), **kwargs)
+    rows = [json.loads(line) for line in (tmp_path / "w4a16.jsonl").read_text().splitlines()]
+    return summary, rows
 
 
-@pytest.mark.parametrize("name", list(VARIANTS), ids=str)
-def test_every_candidate_matches_float64(name: str) -> None:
-    """Each decode candidate at M = 3 (and the shipped schedules at 3 and 40), each prefill candidate at M = 40, on
-    K = 300 (not a multiple of any BLOCK_K), N = 200, group 64, bf16; the output poisoned first."""
-    variant = VARIANTS[name]
-    decode = SWEEP.is_decode(name, variant)
-    rows = [3] if decode else [40] if decode is False else [3, 40]
-    K, N = 300, 200
-    weight = torch.randn(N, K, generator=torch.Generator().manual_seed(1)) / K**0.5
-    p = quantize_w4(weight.to(device(), torch.bfloat16), 64)
-    for M in rows:
-        x = randn(M, K, dtype=torch.bfloat16, seed=M)
-        exact = w4a16_reference(x.double(), p.qweight, p.scales.double(), p.zeros, p.group_size)
-        with variant:
-            if variant.config is not None:
-                assert schedule(M, N, K, device()).tiles["KERNEL"] == variant.config["KERNEL"]
-            out = poisoned((M, N), torch.bfloat16)
-            got = w4a16_gemm(x, *p, out=out)
-        assert_close(got, exact, torch.bfloat16, scale=max(1.0, math.sqrt(K / 64)))
+def test_the_run_checks_times_and_summarises_every_variant(tmp_path: Path) -> None:
+    """K = 256 → N = 192 (K a multiple of the 256-input step, N of no candidate's column tile: the masked path) at M =
+    1 and 9 (8 and 16 rows per program): every variant passes its float64 check (bit-equal on a second call), is
+    timed in both rounds, and the summary has a point per M with × bf16 and copy shares."""
+    summary, rows = _run(tmp_path, shapes=((256, 192),), rows=(1, 9), rounds=2)
+    assert rows[0]["kind"] == "meta" and rows[-1]["kind"] == "summary"
+    checks = [r for r in rows if r["kind"] == "check"]
+    variants = {"new", "old", "bf16", *(f"new:{label}" for label, _ in SCRIPT.CANDIDATES)}
+    assert {r["variant"] for r in checks} == variants and len(checks) == 2 * len(variants)
+    failed = [r for r in checks if not r["ok"]]
+    assert not failed, failed[0]["trace"]
+    assert all(r["bit_equal_twice"] for r in checks if r["variant"] != "bf16")
+    times = [r for r in rows if r["kind"] == "time"]
+    assert len(times) == 2 * 2 * len(variants) and all(r["us"] > 0 for r in times)
+    assert [(p["K"], p["N"], p["M"]) for p in summary["points"]] == [(256, 192, 1), (256, 192, 9)]
+    for point in summary["points"]:
+        assert set(point["us"]) == variants and point["best_new"].startswith("new")
+        assert point["shipped_x_bf16"] > 0 and point["shipped_copy_share_at_size"] > 0
+    assert set(summary["targets"]) == {"shipped", "best"} and summary["stopped"] is None
+    saved = json.loads((tmp_path / "w4a16.json").read_text())
+    assert saved["summary"]["points"] == json.loads(json.dumps(summary["points"], default=str))
+    assert "x bf16" in (tmp_path / "w4a16.log").read_text()
 
 
-def test_applied_restores_the_tiles() -> None:
-    mod = importlib.import_module("fusionscope.kernels.w4a16_gemm")
-    tiles, fill = dict(mod.TILES), dict(mod.FILL)
-    for variant in VARIANTS.values():
-        with variant:
-            pass
-    assert dict(mod.TILES) == tiles and dict(mod.FILL) == fill
-    with VARIANTS["before"]:
-        assert schedule(1, 64, 256, device()).tiles["UNPACK"] == "planes"
-    assert dict(mod.TILES) == tiles
+def test_the_budget_stops_new_measurements_and_the_summary_is_still_written(tmp_path: Path) -> None:
+    summary, rows = _run(tmp_path, shapes=((128, 64),), rows=(1,), rounds=1, budget_s=0.0)
+    assert summary["stopped"].startswith("time budget") and not summary["points"]
+    assert rows[-1]["kind"] == "summary" and (tmp_path / "w4a16.json").exists()
 
 
-def _fake_gpu(monkeypatch: pytest.MonkeyPatch, module: ModuleType) -> None:
-    """The CPU as the device: timing by wall clock (one call), no CUDA synchronisation, a small roof tensor."""
-
-    def wall_us(fn, rep: int = 20) -> float:
-        fn()
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e6
-
-    monkeypatch.setattr(module, "DEVICE", "cpu")
-    monkeypatch.setattr(module, "gpu_us", wall_us)
-    monkeypatch.setattr(module.triton.testing, "do_bench", lambda fn, return_mode="median": wall_us(fn) / 1e3)
-    monkeypatch.setattr(module, "ROOF_ELEMENTS", 2**12)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    monkeypatch.setattr(module, "meta", lambda: {"device": "cpu"})
-
-
-def test_sweep_runs_end_to_end_and_writes_its_summary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """--quick on two small shapes: every row a JSON line, a best entry per (shape, M) whose variant was timed there,
-    the bf16 ratio and bandwidth shares computed, and a suggestion per M."""
-    module = _script()
-    _fake_gpu(monkeypatch, module)
-    monkeypatch.setattr(module, "SHAPES", ((256, 96), (130, 64)))
-    monkeypatch.setattr(module, "DECODE_ROWS", (1, 3))
-    monkeypatch.setattr(module, "PREFILL_ROWS", 20)
-    out = module.Out(tmp_path, "sweep")
-    module.run_sweep(out, quick=True, budget_s=600, cold=False)
-    lines = [json.loads(line) for line in (tmp_path / "w4a16_sweep.jsonl").read_text().splitlines()]
-    checks = [r for r in lines if r["kind"] == "sweep_check"]
-    assert checks and all(r["passed"] for r in checks), [r for r in checks if not r["passed"]]
-    summary = json.loads((tmp_path / "w4a16_sweep.json").read_text())["summary"]
-    points = {(b["K"], b["N"], b["M"]) for b in summary["best"]}
-    assert points == {(K, N, M) for K, N in module.SHAPES for M in (1, 3, 20)}
-    timed = {(r["K"], r["N"], r["M"], r["variant"]) for r in lines if r["kind"] == "sweep"}
-    for b in summary["best"]:
-        assert (b["K"], b["N"], b["M"], b["best"]) in timed and b["vs_bf16"] > 0 and b["pct_copy"] > 0
-    assert set(summary["best_by_m"]) == {"1", "3", "20"}
-    assert "best" in (tmp_path / "w4a16_sweep.log").read_text()
-
-
-def test_sweep_stops_at_its_budget_and_still_writes_the_summary(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    module = _script()
-    _fake_gpu(monkeypatch, module)
-    monkeypatch.setattr(module, "SHAPES", ((256, 96), (130, 64)))
-    out = module.Out(tmp_path, "sweep")
-    module.run_sweep(out, quick=True, budget_s=0, cold=False)
-    saved = json.loads((tmp_path / "w4a16_sweep.json").read_text())
-    assert saved["summary"] == {"best": [], "best_by_m": {}}
-    assert not any(r["kind"] == "sweep" for r in saved["rows"])
-    assert "time budget spent" in (tmp_path / "w4a16_sweep.log").read_text()
+def test_the_old_kernel_reads_the_same_levels_in_its_own_layout() -> None:
+    """The baseline is the replaced kernel on the very weights the new one reads: repacked from the same levels."""
+    mod, old = SCRIPT.kernel_module(), SCRIPT.before_module()
+    weight = torch.randn(48, 300, generator=torch.Generator().manual_seed(3)).to(device(), torch.bfloat16)
+    p = mod.quantize_w4(weight, 64)
+    old_q = old.pack_w4(mod.unpack_w4(p.qweight, 300))
+    assert torch.equal(old.dequantize_w4(old_q, p.scales, p.zeros, 64, 300), mod.dequantize_w4(*p[:3], 64, 300))
