@@ -194,16 +194,22 @@ def parse_rank(facts: TraceFacts, doc: trace_events.TraceDocument) -> trace_even
 
 def match_catalogue(timeline: Timeline, kernels: pd.DataFrame, roofs: dict | None, et_path: Path | None,
                     record_ids: dict[int, int]) -> CatalogueMatches:  # fmt: skip
-    """`record_ids`: op_id → the op's `Record function id` (what links it to the execution trace)."""
     """Infer the dataflow (`fusionscope.order_graph`; exact edges from the execution trace where there is one),
     run the catalogue's matchers on it and estimate each match. Without roofs the fused time cannot be estimated:
-    the matches are counted and timed now, and rejected with that reason (so no speedup is claimed)."""
-    from fusionscope import execution_trace, opportunities, order_graph
+    the matches are counted and timed now, and rejected with that reason (so no speedup is claimed). On inferred
+    edges, each distinct step's ops are inferred and matched once (`repeated_steps`: the same table, faster).
+    `record_ids`: op_id → the op's `Record function id` (what links it to the execution trace)."""
+    from fusionscope import execution_trace, opportunities, order_graph, repeated_steps
     from fusionscope.fusions import Graph, find_matches
 
     bandwidth = {"copy_gbps": float("inf"), "tflops": {}} if roofs is None else roofs
     per_match, join_rate = pd.DataFrame(), None
     with collector_paused():
+        repeated = None if et_path is not None else repeated_steps.match(timeline.ops, kernels, bandwidth,
+                                                                          timeline.device_kind)  # fmt: skip
+        if repeated is not None:  # the same table, each distinct step's ops inferred and matched once
+            per_match, count = repeated
+            return _with_roofs(CatalogueMatches(per_match, order_graph.BASIS_ORDER, count, None, None), roofs)
         nodes = order_graph.infer_dataflow(timeline.ops, timeline.device_kind)
         if et_path is not None:
             nodes = execution_trace.exact_dataflow(nodes, timeline.ops, record_ids, execution_trace.load(et_path))
@@ -211,10 +217,17 @@ def match_catalogue(timeline: Timeline, kernels: pd.DataFrame, roofs: dict | Non
         matches = find_matches(Graph(nodes)) if len(nodes) else []
         if matches:
             per_match = opportunities.estimate_matches(matches, nodes, timeline.ops, kernels, bandwidth)
+    found = CatalogueMatches(per_match, nodes.attrs.get("basis", order_graph.BASIS_ORDER), len(nodes), join_rate,
+                             et_path)  # fmt: skip
+    return _with_roofs(found, roofs)
+
+
+def _with_roofs(found: CatalogueMatches, roofs: dict | None) -> CatalogueMatches:
+    """Without roofs the fused time is not estimated: each match not already rejected is, with that reason."""
+    per_match = found.per_match
     if roofs is None and len(per_match):
         per_match["rejected"] = per_match["rejected"].where(per_match["rejected"] != "", MISSING_ROOFS_FUSED)
-    return CatalogueMatches(per_match, nodes.attrs.get("basis", order_graph.BASIS_ORDER), len(nodes), join_rate,
-                            et_path)  # fmt: skip
+    return found
 
 
 def with_basis(rows: list[dict], found: CatalogueMatches, roofs: dict | None) -> list[dict]:
