@@ -68,6 +68,9 @@ CPU_COLUMNS = ("index", "name", "cat", "tid", "ts", "dur", "correlation")  # wha
 OP_ARGUMENTS = ("external_id", "input_dims", "input_type", "concrete_inputs")  # what only the ops table reads
 
 
+Tables = tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]  # ops, kernels, steps
+
+
 @dataclass
 class Timeline:
     """One trace, joined. `kernels` is empty on CPU runs (`device_kind == "cpu"`)."""
@@ -151,19 +154,20 @@ def _join_rank(rank: int, df: pd.DataFrame, symbols: list[str]) -> tuple[pd.Data
     return join_columns(rank, columns)
 
 
-def join_columns(rank: int, cols: dict[str, np.ndarray]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+def join_columns(rank: int, cols: dict[str, np.ndarray], labels: tuple[Labels, Labels] | None = None) -> Tables:
     """The ops, kernels and steps of one rank's events, given as columns of HTA's frame (`index`, `name`, `cat` as
     strings, `tid`, `ts`, `dur`, its argument columns and `index_correlation`): the sweep over the CPU events
     (`_sweep`), then each kernel joined to its op (`_join_kernels`). Numpy arrays throughout, indexed by position:
     a frame would be copied whole at every step, and at a million events each copy of its object columns costs
-    more than the join."""
-    names, cats = cols["name"], cols["cat"]
+    more than the join. `labels`: the `Labels` of `name` and `cat`, where the caller has them."""
+    names, cats = labels or (Labels.of(cols["name"]), Labels.of(cols["cat"]))
     cpu_rows = np.flatnonzero(_cpu_events(names, cats))
     order = np.lexsort((-cols["dur"][cpu_rows], cols["ts"][cpu_rows], cols["tid"][cpu_rows]))  # stable, as pandas
     cpu_rows = cpu_rows[order]
     cpu = {k: cols[k][cpu_rows] for k in CPU_COLUMNS if k in cols}
     cpu.update(_sweep(cpu))
-    op_rows = np.flatnonzero(_labels_in(cpu["cat"], ("cpu_op",)))
+    cpu_cats = cats.take(cpu_rows)
+    op_rows = np.flatnonzero(cpu_cats.isin(("cpu_op",)))
     op = {k: v[op_rows] for k, v in cpu.items()}
     op.update({k: cols[k][cpu_rows[op_rows]] for k in OP_ARGUMENTS if k in cols})
     dur = pd.Series(op["dur"])
@@ -191,7 +195,7 @@ def join_columns(rank: int, cols: dict[str, np.ndarray]) -> tuple[pd.DataFrame, 
         columns=OP_COLUMNS,
     )
 
-    is_step = _labels_starting(cpu["name"], STEP_PREFIX)
+    is_step = names.take(cpu_rows).startswith(STEP_PREFIX)
     steps = pd.DataFrame(
         {
             "rank": rank,
@@ -202,35 +206,44 @@ def join_columns(rank: int, cols: dict[str, np.ndarray]) -> tuple[pd.DataFrame, 
         }
     )
 
-    gpu_rows = np.flatnonzero(_labels_in(cats, GPU_CATS))
+    gpu_rows = np.flatnonzero(cats.isin(GPU_CATS))
     gpu = {k: v[gpu_rows] for k, v in cols.items() if k not in OP_ARGUMENTS}
     kernels = _join_kernels(rank, gpu, op, cpu)
     return ops, kernels, steps
 
 
-def _labels_in(labels: np.ndarray, wanted: tuple[str, ...]) -> np.ndarray:
-    """Which entries of a column of strings (names, categories: a few distinct values) are among `wanted`, each
-    distinct value tested once."""
-    codes, uniques = pd.factorize(labels)
-    hit = np.array([u in wanted for u in uniques] + [False])
-    return hit[codes]
+@dataclass(frozen=True)
+class Labels:
+    """A column of strings with few distinct values (names, categories) as codes into them: each test of a value is
+    made once per distinct value, not once per event, and the column is hashed once for all tests."""
+
+    codes: np.ndarray  # -1 for a missing value
+    uniques: np.ndarray
+
+    @classmethod
+    def of(cls, values: np.ndarray) -> Labels:
+        codes, uniques = pd.factorize(values)
+        return cls(codes, np.asarray(uniques, dtype=object))
+
+    def isin(self, wanted: tuple[str, ...]) -> np.ndarray:
+        return np.array([u in wanted for u in self.uniques.tolist()] + [False])[self.codes]
+
+    def startswith(self, prefix: str) -> np.ndarray:
+        hit = [isinstance(u, str) and u.startswith(prefix) for u in self.uniques.tolist()]
+        return np.array([*hit, False])[self.codes]
+
+    def take(self, rows: np.ndarray) -> Labels:
+        return Labels(self.codes[rows], self.uniques)
 
 
-def _labels_starting(labels: np.ndarray, prefix: str) -> np.ndarray:
-    """Which entries of a column of names start with `prefix`, each distinct name tested once."""
-    codes, uniques = pd.factorize(labels)
-    hit = np.array([isinstance(u, str) and u.startswith(prefix) for u in uniques] + [False])
-    return hit[codes]
-
-
-def _cpu_events(names: np.ndarray, cats: np.ndarray) -> np.ndarray:
+def _cpu_events(names: Labels, cats: Labels) -> np.ndarray:
     """The CPU events the sweep walks: `CPU_CATS`, and the Python tracer's `nn.Module: <Class>_<N>` calls
     (`with_stack=True`) where the trace has no `nn.Module: <path>` ranges of fusionscope's own."""
-    cpu = _labels_in(cats, CPU_CATS)
-    module_event = _labels_starting(names, MODULE_PREFIX)
-    if (module_event & _labels_in(cats, ("user_annotation",))).any():
+    cpu = cats.isin(CPU_CATS)
+    module_event = names.startswith(MODULE_PREFIX)
+    if (module_event & cats.isin(("user_annotation",))).any():
         return cpu
-    return cpu | (module_event & _labels_in(cats, (PYTHON_CAT,)))
+    return cpu | (module_event & cats.isin((PYTHON_CAT,)))
 
 
 def _sweep(cpu: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

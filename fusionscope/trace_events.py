@@ -182,14 +182,14 @@ def _shared(raws: list, default_raw: object, default: object) -> np.ndarray:
     return out
 
 
-def _interned(values: np.ndarray) -> np.ndarray:
+def _interned(values: np.ndarray) -> tuple[np.ndarray, trace.Labels]:
     """The values with each distinct one a single shared object: a string's hash is then computed once, not once
     per event, in every later lookup and grouping by name. Only all-string columns: factorizing would take 1 and
-    1.0 for one value."""
+    1.0 for one value. Also their `trace.Labels`."""
     if pd.api.types.infer_dtype(values, skipna=False) != "string":
-        return values
-    codes, uniques = pd.factorize(values)
-    return np.asarray(uniques, dtype=object)[codes]
+        return values, trace.Labels.of(values)
+    labels = trace.Labels.of(values)
+    return labels.uniques[labels.codes], labels
 
 
 def _tids(values: np.ndarray) -> np.ndarray:
@@ -211,6 +211,11 @@ def events_frame(events: EventColumns | list) -> pd.DataFrame:
 
 def event_columns(events: EventColumns | list) -> dict[str, np.ndarray]:
     """The columns of `events_frame`, as arrays (what the join takes: `trace.join_columns`)."""
+    return _event_columns(events)[0]
+
+
+def _event_columns(events: EventColumns | list) -> tuple[dict[str, np.ndarray], tuple[trace.Labels, trace.Labels]]:
+    """`event_columns`, and the `trace.Labels` of names and categories."""
     cols = events if isinstance(events, EventColumns) else EventColumns.from_dicts(events)
     n = len(cols)
     timed = np.fromiter(map(is_not, cols.dur, repeat(None)), dtype=bool, count=n)
@@ -221,11 +226,12 @@ def event_columns(events: EventColumns | list) -> dict[str, np.ndarray]:
     complete = np.isfinite(ts) & np.isfinite(dur)  # a time that is no number: not a complete event
     if not complete.all():
         keep, ts, dur = keep[complete], ts[complete], dur[complete]
-    out = {"index": keep, "name": _interned(_pick(cols.name, keep)), "cat": _interned(_pick(cols.cat, keep)),
-           "tid": _tids(_pick(cols.tid, keep)), "ts": ts - ts.min() if len(ts) else ts, "dur": dur}  # fmt: skip
+    (name, names), (cat, cats) = _interned(_pick(cols.name, keep)), _interned(_pick(cols.cat, keep))
+    out = {"index": keep, "name": name, "cat": cat, "tid": _tids(_pick(cols.tid, keep)),
+           "ts": ts - ts.min() if len(ts) else ts, "dur": dur}  # fmt: skip
     for column, values in cols.arg_columns([c for c, _k, _d in ARGS], keep).items():
         out[column] = int_array(values, ARG_KEYS[column][1]) if column in INT_ARGS else values
-    return out
+    return out, (names, cats)
 
 
 @dataclass
@@ -244,22 +250,21 @@ class Parsed:
         return dict(zip(self.record_frame["index"].tolist(), self.record_frame["record_id"].tolist()))
 
 
-def _on_gpu(cols: dict[str, np.ndarray]) -> np.ndarray:
+def _on_gpu(cols: dict[str, np.ndarray], names: trace.Labels, cats: trace.Labels) -> np.ndarray:
     """GPU events: kernels, copies and memsets, HTA's rule (an event on a stream with a correlation id) for other
     categories, and synchronisations. A runtime call is never one, though ROCm's launches name their stream."""
-    cats = cols["cat"]
-    on_stream = (cols["stream"] >= 0) & (cols["correlation"] >= 0) & ~trace._labels_in(cats, trace.CPU_CATS)
-    return trace._labels_in(cats, trace.GPU_CATS) | on_stream | trace._labels_in(cols["name"], SYNC_EVENTS)
+    on_stream = (cols["stream"] >= 0) & (cols["correlation"] >= 0) & ~cats.isin(trace.CPU_CATS)
+    return cats.isin(trace.GPU_CATS) | on_stream | names.isin(SYNC_EVENTS)
 
 
-def _unlaunched(cols: dict[str, np.ndarray], gpu: np.ndarray) -> int:
+def _unlaunched(cols: dict[str, np.ndarray], gpu: np.ndarray, cats: trace.Labels) -> int:
     """GPU events (kernels, copies, memsets) whose launch is not in the trace: launched before the profiler
     started, or by a call it did not record. HTA's parser drops them when the trace has two or more ProfilerStep
     ranges; here they stay in the kernels table (joined to an op by `External id` only), so every GPU event is in
     it once. `gpu`: `_on_gpu`."""
     correlation = cols["correlation"]
     launched = np.isin(correlation, np.unique(correlation[~gpu & (correlation >= 0)]))
-    return int((trace._labels_in(cols["cat"], trace.GPU_CATS) & ~launched).sum())
+    return int((cats.isin(trace.GPU_CATS) & ~launched).sum())
 
 
 def _index_correlation(cols: dict[str, np.ndarray], gpu: np.ndarray) -> np.ndarray:
@@ -279,14 +284,15 @@ def _index_correlation(cols: dict[str, np.ndarray], gpu: np.ndarray) -> np.ndarr
 def parse_events(events: EventColumns | list, rank: int = 0) -> Parsed:
     """The Timeline of one rank's `traceEvents` (columns, or the decoded JSON list; as `trace.load_timeline` builds
     it from the file), its annotation ranges and its ops' record function ids."""
-    cols = event_columns(events)
-    gpu = _on_gpu(cols)
+    cols, (names, cats) = _event_columns(events)
+    gpu = _on_gpu(cols, names, cats)
     cols["index_correlation"] = _index_correlation(cols, gpu)
-    ops, kernels, steps = trace.join_columns(rank, cols)
-    annotation = trace._labels_in(cols["cat"], ("user_annotation",))
+    ops, kernels, steps = trace.join_columns(rank, cols, (names, cats))
+    annotation = cats.isin(("user_annotation",))
     annotations = pd.DataFrame({"name": cols["name"][annotation], "tid": cols["tid"][annotation],
                                 "ts_us": cols["ts"][annotation], "dur_us": cols["dur"][annotation]})  # fmt: skip
-    is_op = trace._labels_in(cols["cat"], ("cpu_op",))
+    is_op = cats.isin(("cpu_op",))
     records = pd.DataFrame({"index": cols["index"][is_op], "record_id": cols["record_id"][is_op]})
     timeline = trace.Timeline(device_kind="cuda" if len(kernels) else "cpu", ops=ops, kernels=kernels, steps=steps)
-    return Parsed(timeline=timeline, annotations=annotations, record_frame=records, unlaunched=_unlaunched(cols, gpu))
+    return Parsed(timeline=timeline, annotations=annotations, record_frame=records,
+                  unlaunched=_unlaunched(cols, gpu, cats))  # fmt: skip
