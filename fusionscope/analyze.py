@@ -194,16 +194,22 @@ def parse_rank(facts: TraceFacts, doc: trace_events.TraceDocument) -> trace_even
 
 def match_catalogue(timeline: Timeline, kernels: pd.DataFrame, roofs: dict | None, et_path: Path | None,
                     record_ids: dict[int, int]) -> CatalogueMatches:  # fmt: skip
-    """`record_ids`: op_id → the op's `Record function id` (what links it to the execution trace)."""
     """Infer the dataflow (`fusionscope.order_graph`; exact edges from the execution trace where there is one),
     run the catalogue's matchers on it and estimate each match. Without roofs the fused time cannot be estimated:
-    the matches are counted and timed now, and rejected with that reason (so no speedup is claimed)."""
-    from fusionscope import execution_trace, opportunities, order_graph
+    the matches are counted and timed now, and rejected with that reason (so no speedup is claimed). On inferred
+    edges, each distinct step's ops are inferred and matched once (`repeated_steps`: the same table, faster).
+    `record_ids`: op_id → the op's `Record function id` (what links it to the execution trace)."""
+    from fusionscope import execution_trace, opportunities, order_graph, repeated_steps
     from fusionscope.fusions import Graph, find_matches
 
     bandwidth = {"copy_gbps": float("inf"), "tflops": {}} if roofs is None else roofs
     per_match, join_rate = pd.DataFrame(), None
     with collector_paused():
+        repeated = None if et_path is not None else repeated_steps.match(timeline.ops, kernels, bandwidth,
+                                                                          timeline.device_kind)  # fmt: skip
+        if repeated is not None:  # the same table, each distinct step's ops inferred and matched once
+            per_match, count = repeated
+            return _with_roofs(CatalogueMatches(per_match, order_graph.BASIS_ORDER, count, None, None), roofs)
         nodes = order_graph.infer_dataflow(timeline.ops, timeline.device_kind)
         if et_path is not None:
             nodes = execution_trace.exact_dataflow(nodes, timeline.ops, record_ids, execution_trace.load(et_path))
@@ -211,10 +217,17 @@ def match_catalogue(timeline: Timeline, kernels: pd.DataFrame, roofs: dict | Non
         matches = find_matches(Graph(nodes)) if len(nodes) else []
         if matches:
             per_match = opportunities.estimate_matches(matches, nodes, timeline.ops, kernels, bandwidth)
+    found = CatalogueMatches(per_match, nodes.attrs.get("basis", order_graph.BASIS_ORDER), len(nodes), join_rate,
+                             et_path)  # fmt: skip
+    return _with_roofs(found, roofs)
+
+
+def _with_roofs(found: CatalogueMatches, roofs: dict | None) -> CatalogueMatches:
+    """Without roofs the fused time is not estimated: each match not already rejected is, with that reason."""
+    per_match = found.per_match
     if roofs is None and len(per_match):
         per_match["rejected"] = per_match["rejected"].where(per_match["rejected"] != "", MISSING_ROOFS_FUSED)
-    return CatalogueMatches(per_match, nodes.attrs.get("basis", order_graph.BASIS_ORDER), len(nodes), join_rate,
-                            et_path)  # fmt: skip
+    return found
 
 
 def with_basis(rows: list[dict], found: CatalogueMatches, roofs: dict | None) -> list[dict]:
@@ -553,35 +566,40 @@ def write_csv(frame: pd.DataFrame, path: Path) -> None:
             f.write("\n".join(map(",".join, zip(*columns))) + "\n")
 
 
+FLOAT_FIELD = "%.6g".__mod__  # pandas' float_format="%.6g"
+
+
 def _csv_fields(column: pd.Series) -> list[str] | None:
     """The fields `to_csv(float_format="%.6g")` writes for a column, quoted as its `csv` writer quotes them: floats
     by "%.6g" (NaN empty), ints and bools by str (neither needs quoting); objects empty when missing, by repr when
-    floats (as `csv` writes them), else by str. None for another dtype (categorical, nullable, dates)."""
+    floats (as `csv` writes them), else by str. None for another dtype (categorical, nullable, dates). Each distinct
+    value is formatted once (`_by_distinct`): tables repeat their steps, names, shapes and rates."""
     values = column.to_numpy()
     kind = values.dtype.kind
     if kind == "f":
-        out = list(map("%.6g".__mod__, values.tolist()))
-        for i in np.flatnonzero(np.isnan(values)).tolist():
-            out[i] = ""
-        return out
+        if ((values == 0) & np.signbit(values)).any():  # -0.0 is one value with 0.0 to factorize, and prints "-0"
+            return ["" if v != v else FLOAT_FIELD(v) for v in values.tolist()]
+        return _by_distinct(values, FLOAT_FIELD)
     if kind in "iub":
-        return list(map(str, values.tolist()))
+        return _by_distinct(values, str)
     if kind != "O" or not isinstance(column.dtype, np.dtype):
         return None
-    texts: dict[str, str] = {}  # strings by value (equal ones may be distinct objects), anything else by identity
-    objects: dict[int, str] = {}
-    out = []
-    for value in values.tolist():
-        if type(value) is str:
-            field = texts.get(value)
-            if field is None:
-                field = texts[value] = _csv_quoted(value)
-        else:
-            field = objects.get(id(value))
-            if field is None:
-                field = objects[id(value)] = _csv_quoted(_csv_text(value))
-        out.append(field)
-    return out
+    listed = values.tolist()
+    ids = np.fromiter(map(id, listed), dtype=np.int64, count=len(listed))  # each object once, whatever it holds
+    codes, uniques = pd.factorize(ids)
+    if len(uniques) > 1000 and pd.api.types.infer_dtype(values, skipna=False) == "string":
+        return _by_distinct(values, _csv_quoted)  # many string objects of few values (`bound`, `module`): by value
+    first = np.empty(len(uniques), dtype=np.int64)
+    first[codes[::-1]] = np.arange(len(listed) - 1, -1, -1)
+    fields = [_csv_quoted(v) if type(v) is str else _csv_quoted(_csv_text(v)) for v in map(listed.__getitem__, first)]
+    return np.asarray(fields, dtype=object)[codes].tolist() if fields else []
+
+
+def _by_distinct(values: np.ndarray, field: Callable[[object], str]) -> list[str]:
+    """`field` of each value, computed once per distinct value (NaN: empty)."""
+    codes, uniques = pd.factorize(values)
+    fields = np.array([*map(field, np.asarray(uniques).tolist()), ""], dtype=object)  # code -1 (NaN): the last
+    return fields[codes].tolist()
 
 
 def _csv_text(value: object) -> str:

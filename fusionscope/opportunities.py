@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -47,7 +48,7 @@ def _tensor_bytes(shape: tuple, dtype: str) -> int:
 
 def fused_bytes(nodes: dict[str, dict], match: Match, outputs: set[int]) -> int:
     """Bytes a fused kernel must move for `match`: external inputs once each, intended and escaping outputs once.
-    `nodes` maps a column name to {node id: value} (see `_columns`)."""
+    `nodes` maps a column name to {node id: value} (see `node_columns`)."""
     group = set(match.nodes)
     seen: set[tuple] = set()
     total = 0
@@ -98,23 +99,45 @@ class HostSpans:
                 self._by_node.setdefault(int(node), []).append(int(op_id))
 
     def group_us(self, nodes: list[int]) -> float:
+        outer, gaps = self.terms(nodes)
+        total = sum(self._dur[op] for op in outer)
+        for a, b in gaps:
+            total += max(self._ts[b] - self._ts[a] - self._dur[a], 0.0)
+        return float(total)
+
+    def terms(self, nodes: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
+        """What `group_us` sums: the group's outermost ops in order (their durations), and the pairs of consecutive
+        ones with nothing foreign between them (the gap from the first's end to the second's start). They depend on
+        the ops' order and nesting alone, not on their times, so a step that repeats another's ops has the same terms
+        (`repeated_steps`)."""
         members = {op for n in nodes for op in self._by_node.get(n, ())}
         if not members:
-            return 0.0
+            return [], []
         positions = sorted(self._position[op] for op in members)
         outer = sorted((op for op in members if self._parent[op] not in members), key=self._position.get)
-        total = sum(self._dur[op] for op in outer)
+        gaps = []
         for a, b in itertools.pairwise(outer):
             pa, pb = self._position[a], self._position[b]
             inside = bisect.bisect_right(positions, pb) - bisect.bisect_left(positions, pa)
             if inside == pb - pa + 1:  # nothing foreign between them
-                total += max(self._ts[b] - self._ts[a] - self._dur[a], 0.0)
-        return float(total)
+                gaps.append((a, b))
+        return outer, gaps
 
 
-def _columns(joined: pd.DataFrame) -> dict[str, dict]:
+def node_columns(joined: pd.DataFrame) -> dict[str, dict]:
+    """{column: {node id: value}} of the dataflow columns the estimates read."""
     ids = joined["node"].tolist()
     return {col: dict(zip(ids, joined[col].tolist())) for col in _NODE_COLUMNS}
+
+
+def kernel_sums(kernels: pd.DataFrame, owner: pd.Series) -> pd.DataFrame:
+    """Per node (index; -1 for kernels no node owns), the summed duration, bytes, FLOPs and count of its kernels
+    (`owner`: op_id → node, `dataflow.op_owners`); NaN where none of its kernels has the figure."""
+    return (
+        kernels.assign(node=kernels["op_id"].map(owner).fillna(-1).astype(np.int64), launches=1)
+        .groupby("node")[["dur_us", "bytes", "flops", "launches"]]
+        .sum(min_count=1)
+    )
 
 
 def estimate_matches(matches: list[Match], joined: pd.DataFrame, ops: pd.DataFrame, kernels: pd.DataFrame,
@@ -124,13 +147,9 @@ def estimate_matches(matches: list[Match], joined: pd.DataFrame, ops: pd.DataFra
     Kernel figures are summed per node once, then per match from dictionaries: the cost is linear in nodes and
     matches (about 40k nodes a second on the 2-core CPU), not in matches × kernels.
     """
-    nodes = _columns(joined)
+    nodes = node_columns(joined)
     owner = op_owners(joined, ops)
-    per_node = (
-        kernels.assign(node=kernels["op_id"].map(owner).fillna(-1).astype(np.int64), launches=1)
-        .groupby("node")[["dur_us", "bytes", "flops", "launches"]]
-        .sum(min_count=1)
-    )
+    per_node = kernel_sums(kernels, owner)
     node_sums = {col: per_node[col].to_dict() for col in per_node.columns}
     ops_per_node = ops["op_id"].map(owner).value_counts().to_dict()
     host = HostSpans(ops, owner)
@@ -144,21 +163,37 @@ def estimate_matches(matches: list[Match], joined: pd.DataFrame, ops: pd.DataFra
             values = (node_sums[col].get(n) for n in match.nodes)
             return float(sum(v for v in values if v is not None and v == v))
 
-        outputs = _group_outputs(nodes["consumers"], match) - set(match.escaping)
-        dtypes = nodes["input_dtypes"][match.nodes[0]]
-        peak = peaks.get(str(dtypes[0]) if dtypes else "") or peaks.get("float32") or 1.0
-        bytes_fused = fused_bytes(nodes, match, outputs)
+        fixed = fixed_figures(match, nodes, peaks)
         flops = total("flops")
-        unjoined = sum(int(nodes["op_id"][n]) < 0 for n in match.nodes if not nodes["is_view"][n])
         rows.append({
             "fusion": match.fusion, "phase": match.phase, "step": match.step, "module": match.anchor_module,
             "t_now_us": total("dur_us"), "bytes_now": total("bytes"), "launches_now": int(total("launches")),
-            "t_fused_us": max(bytes_fused / bandwidth, flops / (peak * 1e6)) + floor_us, "bytes_fused": bytes_fused,
-            "launches_fused": 1, "ops_now": int(sum(ops_per_node.get(n, 0) for n in match.nodes)),
+            "t_fused_us": max(fixed.bytes_fused / bandwidth, flops / (fixed.peak * 1e6)) + floor_us,
+            "bytes_fused": fixed.bytes_fused, "launches_fused": 1,
+            "ops_now": int(sum(ops_per_node.get(n, 0) for n in match.nodes)),
             "host_now_us": host.group_us(list(match.nodes)),
-            "escaping": len(match.escaping), "unjoined": unjoined, "rejected": match.rejected,
+            "escaping": len(match.escaping), "unjoined": fixed.unjoined, "rejected": match.rejected,
         })  # fmt: skip
     return pd.DataFrame(rows)
+
+
+class FixedFigures(NamedTuple):
+    """A match's figures that follow from its nodes' shapes and dtypes alone, not from the times of its kernels: the
+    same for every step that repeats the match's ops (`repeated_steps`)."""
+
+    bytes_fused: int
+    peak: float  # TFLOP/s of the dtype the group computes in
+    unjoined: int  # nodes (views aside) not joined to a timed op
+
+
+def fixed_figures(match: Match, nodes: dict[str, dict], peaks: dict[str, float]) -> FixedFigures:
+    """`match`'s `FixedFigures`; `nodes` maps a column name to {node id: value} (`node_columns`), `peaks` the roofs'
+    nonzero TFLOP/s by dtype."""
+    outputs = _group_outputs(nodes["consumers"], match) - set(match.escaping)
+    dtypes = nodes["input_dtypes"][match.nodes[0]]
+    peak = peaks.get(str(dtypes[0]) if dtypes else "") or peaks.get("float32") or 1.0
+    unjoined = sum(int(nodes["op_id"][n]) < 0 for n in match.nodes if not nodes["is_view"][n])
+    return FixedFigures(fused_bytes(nodes, match, outputs), peak, unjoined)
 
 
 def _confidence(group: pd.DataFrame) -> tuple[str, str]:

@@ -64,6 +64,13 @@ KERNEL_COLUMNS = [
 ]
 
 
+CPU_COLUMNS = ("index", "name", "cat", "tid", "ts", "dur", "correlation")  # what the sweep and the launch join read
+OP_ARGUMENTS = ("external_id", "input_dims", "input_type", "concrete_inputs")  # what only the ops table reads
+
+
+Tables = tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]  # ops, kernels, steps
+
+
 @dataclass
 class Timeline:
     """One trace, joined. `kernels` is empty on CPU runs (`device_kind == "cpu"`)."""
@@ -140,76 +147,118 @@ def load_timeline(path: Path) -> Timeline:
 
 
 def _join_rank(rank: int, df: pd.DataFrame, symbols: list[str]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """`join_columns` of HTA's frame of one rank (names and categories as ids into `symbols`)."""
     sym = np.asarray(symbols, dtype=object)
-    df = df.assign(name_s=sym[df["name"].to_numpy()], cat_s=sym[df["cat"].to_numpy()])
-    cpu = df[_cpu_events(df, symbols)].sort_values(["tid", "ts", "dur"], ascending=[True, True, False])
-    context = _sweep(cpu)
-    cpu = cpu.assign(**context)
+    columns = {c: df[c].to_numpy() for c in df.columns}
+    columns["name"], columns["cat"] = sym[columns["name"]], sym[columns["cat"]]
+    return join_columns(rank, columns)
 
-    ops_mask = cpu["cat_s"] == "cpu_op"
-    ops = cpu[ops_mask]
-    child_time = ops.groupby("parent_op")["dur"].sum()
+
+def join_columns(rank: int, cols: dict[str, np.ndarray], labels: tuple[Labels, Labels] | None = None) -> Tables:
+    """The ops, kernels and steps of one rank's events, given as columns of HTA's frame (`index`, `name`, `cat` as
+    strings, `tid`, `ts`, `dur`, its argument columns and `index_correlation`): the sweep over the CPU events
+    (`_sweep`), then each kernel joined to its op (`_join_kernels`). Numpy arrays throughout, indexed by position:
+    a frame would be copied whole at every step, and at a million events each copy of its object columns costs
+    more than the join. `labels`: the `Labels` of `name` and `cat`, where the caller has them."""
+    names, cats = labels or (Labels.of(cols["name"]), Labels.of(cols["cat"]))
+    cpu_rows = np.flatnonzero(_cpu_events(names, cats))
+    order = np.lexsort((-cols["dur"][cpu_rows], cols["ts"][cpu_rows], cols["tid"][cpu_rows]))  # stable, as pandas
+    cpu_rows = cpu_rows[order]
+    cpu = {k: cols[k][cpu_rows] for k in CPU_COLUMNS if k in cols}
+    cpu.update(_sweep(cpu))
+    cpu_cats = cats.take(cpu_rows)
+    op_rows = np.flatnonzero(cpu_cats.isin(("cpu_op",)))
+    op = {k: v[op_rows] for k, v in cpu.items()}
+    op.update({k: cols[k][cpu_rows[op_rows]] for k in OP_ARGUMENTS if k in cols})
+    dur = pd.Series(op["dur"])
+    child_time = dur.groupby(op["parent_op"]).sum()
+    self_us = (dur - pd.Series(op["index"]).map(child_time).fillna(0)).clip(lower=0).to_numpy(dtype=float)
+    n_ops = len(op_rows)
     ops = pd.DataFrame(
         {
             "rank": rank,
-            "op_id": ops["index"].to_numpy(),
-            "parent_op": ops["parent_op"].to_numpy(),
-            "name": ops["name_s"].to_numpy(),
-            "tid": ops["tid"].to_numpy(),
-            "ts_us": ops["ts"].to_numpy(dtype=float),
-            "dur_us": ops["dur"].to_numpy(dtype=float),
-            "self_us": (ops["dur"] - ops["index"].map(child_time).fillna(0)).clip(lower=0).to_numpy(dtype=float),
-            "step": ops["step"].to_numpy(),
-            "phase": ops["phase"].to_numpy(),
-            "module": ops["module"].to_numpy(),
-            "external_id": ops.get("external_id", pd.Series(-1, index=ops.index)).to_numpy(),
-            "input_dims": ops["input_dims"].to_numpy() if "input_dims" in ops else None,
-            "input_type": ops["input_type"].to_numpy() if "input_type" in ops else None,
-            "concrete_inputs": ops["concrete_inputs"].to_numpy() if "concrete_inputs" in ops else None,
+            "op_id": op["index"],
+            "parent_op": op["parent_op"],
+            "name": op["name"],
+            "tid": op["tid"],
+            "ts_us": op["ts"].astype(float),
+            "dur_us": op["dur"].astype(float),
+            "self_us": self_us,
+            "step": op["step"],
+            "phase": op["phase"],
+            "module": op["module"],
+            "external_id": op["external_id"] if "external_id" in op else np.full(n_ops, -1, dtype=np.int64),
+            "input_dims": op.get("input_dims"),
+            "input_type": op.get("input_type"),
+            "concrete_inputs": op.get("concrete_inputs"),
         },
         columns=OP_COLUMNS,
     )
 
-    is_step = np.array([isinstance(sym_, str) and sym_.startswith(STEP_PREFIX) for sym_ in symbols] + [False])
-    ann = cpu[is_step[cpu["name"].to_numpy()]]  # by symbol id: each distinct name tested once
+    is_step = names.take(cpu_rows).startswith(STEP_PREFIX)
     steps = pd.DataFrame(
         {
             "rank": rank,
-            "step": ann["step"].to_numpy(),
-            "phase": ann["phase_inner"].to_numpy(),
-            "ts_us": ann["ts"].to_numpy(dtype=float),
-            "dur_us": ann["dur"].to_numpy(dtype=float),
+            "step": cpu["step"][is_step],
+            "phase": cpu["phase_inner"][is_step],
+            "ts_us": cpu["ts"][is_step].astype(float),
+            "dur_us": cpu["dur"][is_step].astype(float),
         }
     )
 
-    gpu = df[df["cat_s"].isin(GPU_CATS)]
-    kernels = _join_kernels(rank, gpu, ops, cpu)
+    gpu_rows = np.flatnonzero(cats.isin(GPU_CATS))
+    gpu = {k: v[gpu_rows] for k, v in cols.items() if k not in OP_ARGUMENTS}
+    kernels = _join_kernels(rank, gpu, op, cpu)
     return ops, kernels, steps
 
 
-def _cpu_events(df: pd.DataFrame, symbols: list[str]) -> pd.Series:
+@dataclass(frozen=True)
+class Labels:
+    """A column of strings with few distinct values (names, categories) as codes into them: each test of a value is
+    made once per distinct value, not once per event, and the column is hashed once for all tests."""
+
+    codes: np.ndarray  # -1 for a missing value
+    uniques: np.ndarray
+
+    @classmethod
+    def of(cls, values: np.ndarray) -> Labels:
+        codes, uniques = pd.factorize(values)
+        return cls(codes, np.asarray(uniques, dtype=object))
+
+    def isin(self, wanted: tuple[str, ...]) -> np.ndarray:
+        return np.array([u in wanted for u in self.uniques.tolist()] + [False])[self.codes]
+
+    def startswith(self, prefix: str) -> np.ndarray:
+        hit = [isinstance(u, str) and u.startswith(prefix) for u in self.uniques.tolist()]
+        return np.array([*hit, False])[self.codes]
+
+    def take(self, rows: np.ndarray) -> Labels:
+        return Labels(self.codes[rows], self.uniques)
+
+
+def _cpu_events(names: Labels, cats: Labels) -> np.ndarray:
     """The CPU events the sweep walks: `CPU_CATS`, and the Python tracer's `nn.Module: <Class>_<N>` calls
     (`with_stack=True`) where the trace has no `nn.Module: <path>` ranges of fusionscope's own."""
-    cpu = df["cat_s"].isin(CPU_CATS)
-    named = np.array([isinstance(s, str) and s.startswith(MODULE_PREFIX) for s in symbols] + [False])
-    module_event = named[df["name"].to_numpy()]  # by symbol id: each distinct name tested once
-    if (module_event & (df["cat_s"] == "user_annotation").to_numpy()).any():
+    cpu = cats.isin(CPU_CATS)
+    module_event = names.startswith(MODULE_PREFIX)
+    if (module_event & cats.isin(("user_annotation",))).any():
         return cpu
-    return cpu | (module_event & (df["cat_s"] == PYTHON_CAT).to_numpy())
+    return cpu | (module_event & cats.isin((PYTHON_CAT,)))
 
 
-def _sweep(cpu: pd.DataFrame) -> dict[str, np.ndarray]:
-    """Innermost enclosing step, phase, module and aten op of every CPU event, one stack walk per thread.
+def _sweep(cpu: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Innermost enclosing step, phase, module and aten op of every CPU event (columns `name`, `cat`, `tid`, `ts`,
+    `dur`, `index`), one stack walk per thread.
 
     Events are sorted by (tid, ts, -dur), so a parent precedes its children; each stack entry carries the context its
     children inherit, which makes the walk O(events). Also returns, for step markers, the phase opened inside them.
     """
-    n = len(cpu)
-    names = cpu["name_s"].tolist()  # Python lists: indexing a numpy array in a loop makes a scalar object each time
-    cats = cpu["cat_s"].tolist()
+    n = len(cpu["index"])
+    names = cpu["name"].tolist()  # Python lists: indexing a numpy array in a loop makes a scalar object each time
+    cats = cpu["cat"].tolist()
     tids = cpu["tid"].tolist()
-    start_array = cpu["ts"].to_numpy(dtype=float)
-    ends = (start_array + cpu["dur"].to_numpy(dtype=float)).tolist()
+    start_array = np.asarray(cpu["ts"], dtype=float)
+    ends = (start_array + np.asarray(cpu["dur"], dtype=float)).tolist()
     starts = start_array.tolist()
     idx = cpu["index"].tolist()
     step = [-1] * n
@@ -255,44 +304,59 @@ def _sweep(cpu: pd.DataFrame) -> dict[str, np.ndarray]:
     return {"step": step, "phase": phase, "module": module, "parent_op": parent_op, "phase_inner": phase_inner}
 
 
-def _join_kernels(rank: int, gpu: pd.DataFrame, ops: pd.DataFrame, cpu: pd.DataFrame) -> pd.DataFrame:
-    if gpu.empty:
+def _join_kernels(rank: int, gpu: dict[str, np.ndarray], op: dict[str, np.ndarray],
+                  cpu: dict[str, np.ndarray]) -> pd.DataFrame:  # fmt: skip
+    """Each GPU event joined to its op: the op whose `External id` it carries (the first such op), else the op
+    around the runtime call that launched it (`index_correlation`, where that call's `correlation` is the
+    kernel's: HTA's 0 for "no launch in the trace" is also an index); step, phase and module from that op, else
+    from the launching call. Columns `gpu`, `op` (the ops) and `cpu` (every CPU event) as in `join_columns`."""
+    n = len(gpu["index"])
+    if not n:
         return pd.DataFrame(columns=KERNEL_COLUMNS)
-    by_ext = ops[ops["external_id"] >= 0].drop_duplicates("external_id").set_index("external_id")
-    ext = gpu["external_id"] if "external_id" in gpu else pd.Series(-1, index=gpu.index)
-    op_id = ext.map(by_ext["op_id"])
-    # Fallback through the launching runtime call (HTA turns `correlation` into the row index of its partner).
-    runtime = cpu.set_index("index")
-    launch = gpu["index_correlation"] if "index_correlation" in gpu else pd.Series(-1, index=gpu.index)
-    if "correlation" in gpu and "correlation" in runtime:  # HTA's 0 for "no launch in the trace" is also an index
-        launch = launch.where(launch.map(runtime["correlation"]) == gpu["correlation"], -1)
-    via_launch_op = launch.map(runtime["parent_op"])
-    op_id = op_id.fillna(via_launch_op.where(via_launch_op >= 0)).fillna(-1).astype(np.int64)
-    op_rows = ops.set_index("op_id")
-    has_op = op_id >= 0
+    missing = np.full(n, -1, dtype=np.int64)
+    op_ext = op.get("external_id", np.full(len(op["index"]), -1, dtype=np.int64))
+    with_ext = op_ext >= 0
+    by_ext = pd.Index(op_ext[with_ext])
+    first = ~by_ext.duplicated()
+    by_ext, ext_op = by_ext[first], op["index"][with_ext][first]
+    found = by_ext.get_indexer(gpu.get("external_id", missing))
+    op_id = _take(ext_op, found, -1)
+    launch = pd.Index(cpu["index"]).get_indexer(gpu.get("index_correlation", missing))
+    if "correlation" in gpu and "correlation" in cpu:
+        launch = np.where(_take(cpu["correlation"], launch, None) == gpu["correlation"], launch, -1)
+    via_launch = _take(cpu["parent_op"], launch, -1)
+    op_id = np.where((op_id < 0) & (via_launch >= 0), via_launch, op_id).astype(np.int64)
+    at = pd.Index(op["index"]).get_indexer(op_id)  # -1: no op
 
-    def from_op_or_launch(col: str, default: object) -> pd.Series:
-        val = op_id.map(op_rows[col]).where(has_op)
-        return val.fillna(launch.map(runtime[col])).fillna(default)
+    def from_op_or_launch(col: str, default: object) -> np.ndarray:
+        return np.where(at >= 0, _take(op[col], at, default), _take(cpu[col], launch, default))
 
     return pd.DataFrame(
         {
             "rank": rank,
-            "kernel_id": gpu["index"].to_numpy(),
-            "name": gpu["name_s"].to_numpy(),
-            "stream": gpu["stream"].to_numpy(),
-            "ts_us": gpu["ts"].to_numpy(dtype=float),
-            "dur_us": gpu["dur"].to_numpy(dtype=float),
-            "op_id": op_id.to_numpy(),
-            "op": op_id.map(op_rows["name"]).fillna("").to_numpy(),
-            "step": from_op_or_launch("step", -1).astype(np.int64).to_numpy(),
-            "phase": from_op_or_launch("phase", "").to_numpy(),
-            "module": from_op_or_launch("module", "").to_numpy(),
-            "grid": gpu["grid"].to_numpy() if "grid" in gpu else None,
-            "block": gpu["block"].to_numpy() if "block" in gpu else None,
-            "registers_per_thread": gpu["registers_per_thread"].to_numpy() if "registers_per_thread" in gpu else -1,
-            "shared_memory": gpu["shared_memory"].to_numpy() if "shared_memory" in gpu else -1,
-            "bytes_arg": gpu["bytes"].to_numpy() if "bytes" in gpu else -1,
+            "kernel_id": gpu["index"],
+            "name": gpu["name"],
+            "stream": gpu["stream"],
+            "ts_us": gpu["ts"].astype(float),
+            "dur_us": gpu["dur"].astype(float),
+            "op_id": op_id,
+            "op": _take(op["name"], at, "").astype(object),
+            "step": from_op_or_launch("step", -1).astype(np.int64),
+            "phase": from_op_or_launch("phase", "").astype(object),
+            "module": from_op_or_launch("module", "").astype(object),
+            "grid": gpu.get("grid"),
+            "block": gpu.get("block"),
+            "registers_per_thread": gpu.get("registers_per_thread", -1),
+            "shared_memory": gpu.get("shared_memory", -1),
+            "bytes_arg": gpu.get("bytes", -1),
         },
         columns=KERNEL_COLUMNS,
     )
+
+
+def _take(values: np.ndarray, at: np.ndarray, default: object) -> np.ndarray:
+    """values[at], with `default` where `at` is -1 (and everywhere when `values` is empty)."""
+    if not len(values):
+        return np.full(len(at), default, dtype=object if not isinstance(default, int) else np.int64)
+    picked = values[np.maximum(at, 0)]
+    return np.where(at >= 0, picked, default)

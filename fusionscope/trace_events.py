@@ -182,14 +182,14 @@ def _shared(raws: list, default_raw: object, default: object) -> np.ndarray:
     return out
 
 
-def _interned(values: np.ndarray) -> np.ndarray:
+def _interned(values: np.ndarray) -> tuple[np.ndarray, trace.Labels]:
     """The values with each distinct one a single shared object: a string's hash is then computed once, not once
     per event, in every later lookup and grouping by name. Only all-string columns: factorizing would take 1 and
-    1.0 for one value."""
+    1.0 for one value. Also their `trace.Labels`."""
     if pd.api.types.infer_dtype(values, skipna=False) != "string":
-        return values
-    codes, uniques = pd.factorize(values)
-    return np.asarray(uniques, dtype=object)[codes]
+        return values, trace.Labels.of(values)
+    labels = trace.Labels.of(values)
+    return labels.uniques[labels.codes], labels
 
 
 def _tids(values: np.ndarray) -> np.ndarray:
@@ -206,6 +206,16 @@ def _tids(values: np.ndarray) -> np.ndarray:
 def events_frame(events: EventColumns | list) -> pd.DataFrame:
     """HTA's event frame of a trace's `traceEvents` (names and categories as strings, not symbol ids): one row per
     event with `dur` and a category other than `Trace`. `events`: columns, or the decoded JSON list."""
+    return pd.DataFrame(event_columns(events))
+
+
+def event_columns(events: EventColumns | list) -> dict[str, np.ndarray]:
+    """The columns of `events_frame`, as arrays (what the join takes: `trace.join_columns`)."""
+    return _event_columns(events)[0]
+
+
+def _event_columns(events: EventColumns | list) -> tuple[dict[str, np.ndarray], tuple[trace.Labels, trace.Labels]]:
+    """`event_columns`, and the `trace.Labels` of names and categories."""
     cols = events if isinstance(events, EventColumns) else EventColumns.from_dicts(events)
     n = len(cols)
     timed = np.fromiter(map(is_not, cols.dur, repeat(None)), dtype=bool, count=n)
@@ -216,15 +226,12 @@ def events_frame(events: EventColumns | list) -> pd.DataFrame:
     complete = np.isfinite(ts) & np.isfinite(dur)  # a time that is no number: not a complete event
     if not complete.all():
         keep, ts, dur = keep[complete], ts[complete], dur[complete]
-    name, cat = _interned(_pick(cols.name, keep)), _interned(_pick(cols.cat, keep))
-    frame = pd.DataFrame({"index": keep, "name": name, "cat": cat, "tid": _tids(_pick(cols.tid, keep))})
-    frame["ts"] = ts
-    frame["dur"] = dur
+    (name, names), (cat, cats) = _interned(_pick(cols.name, keep)), _interned(_pick(cols.cat, keep))
+    out = {"index": keep, "name": name, "cat": cat, "tid": _tids(_pick(cols.tid, keep)),
+           "ts": ts - ts.min() if len(ts) else ts, "dur": dur}  # fmt: skip
     for column, values in cols.arg_columns([c for c, _k, _d in ARGS], keep).items():
-        frame[column] = int_array(values, ARG_KEYS[column][1]) if column in INT_ARGS else values
-    if len(frame):
-        frame["ts"] -= frame["ts"].min()
-    return frame
+        out[column] = int_array(values, ARG_KEYS[column][1]) if column in INT_ARGS else values
+    return out, (names, cats)
 
 
 @dataclass
@@ -243,58 +250,49 @@ class Parsed:
         return dict(zip(self.record_frame["index"].tolist(), self.record_frame["record_id"].tolist()))
 
 
-def _on_gpu(frame: pd.DataFrame) -> pd.Series:
+def _on_gpu(cols: dict[str, np.ndarray], names: trace.Labels, cats: trace.Labels) -> np.ndarray:
     """GPU events: kernels, copies and memsets, HTA's rule (an event on a stream with a correlation id) for other
     categories, and synchronisations. A runtime call is never one, though ROCm's launches name their stream."""
-    cats = frame["cat"]
-    on_stream = (frame["stream"] >= 0) & (frame["correlation"] >= 0) & ~cats.isin(trace.CPU_CATS)
-    return cats.isin(trace.GPU_CATS) | on_stream | frame["name"].isin(SYNC_EVENTS)
+    on_stream = (cols["stream"] >= 0) & (cols["correlation"] >= 0) & ~cats.isin(trace.CPU_CATS)
+    return cats.isin(trace.GPU_CATS) | on_stream | names.isin(SYNC_EVENTS)
 
 
-def _unlaunched(frame: pd.DataFrame) -> int:
+def _unlaunched(cols: dict[str, np.ndarray], gpu: np.ndarray, cats: trace.Labels) -> int:
     """GPU events (kernels, copies, memsets) whose launch is not in the trace: launched before the profiler
     started, or by a call it did not record. HTA's parser drops them when the trace has two or more ProfilerStep
     ranges; here they stay in the kernels table (joined to an op by `External id` only), so every GPU event is in
-    it once."""
-    gpu = _on_gpu(frame).to_numpy()
-    correlation = frame["correlation"].to_numpy()
+    it once. `gpu`: `_on_gpu`."""
+    correlation = cols["correlation"]
     launched = np.isin(correlation, np.unique(correlation[~gpu & (correlation >= 0)]))
-    return int((frame["cat"].isin(trace.GPU_CATS).to_numpy() & ~launched).sum())
+    return int((cats.isin(trace.GPU_CATS) & ~launched).sum())
 
 
-def _index_correlation(frame: pd.DataFrame) -> None:
+def _index_correlation(cols: dict[str, np.ndarray], gpu: np.ndarray) -> np.ndarray:
     """HTA's `index_correlation`: a launch's kernel index and a kernel's launch index (0 for a correlation whose
-    partner is not in the trace, -1 for none)."""
-    frame["index_correlation"] = np.minimum(frame["correlation"].to_numpy(), 0)
-    linked = frame[frame["correlation"] != -1]
-    gpu = _on_gpu(linked)
-    merged = linked.loc[~gpu, ["index", "correlation"]].merge(linked.loc[gpu, ["index", "correlation"]],
-                                                              on="correlation", how="inner")  # fmt: skip
-    position = pd.Series(np.arange(len(frame)), index=frame["index"].to_numpy())
-    values = frame["index_correlation"].to_numpy().copy()
-    values[position[merged["index_x"]].to_numpy()] = merged["index_y"].to_numpy()
-    values[position[merged["index_y"]].to_numpy()] = merged["index_x"].to_numpy()
-    frame["index_correlation"] = values
-
-
-def _symbols(frame: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
-    """Names and categories as ids into one symbol list, as HTA's frame holds them."""
-    text = pd.concat([frame["name"], frame["cat"]], ignore_index=True).astype(str)
-    codes, symbols = pd.factorize(text.to_numpy())
-    n = len(frame)
-    return frame.assign(name=codes[:n], cat=codes[n:]), list(symbols)
+    partner is not in the trace, -1 for none). `gpu`: `_on_gpu`."""
+    correlation, index = cols["correlation"], cols["index"]
+    values = np.minimum(correlation, 0)
+    linked = correlation != -1
+    pairs = pd.DataFrame({"index": index, "correlation": correlation})
+    merged = pairs[linked & ~gpu].merge(pairs[linked & gpu], on="correlation", how="inner")
+    x, y = merged["index_x"].to_numpy(), merged["index_y"].to_numpy()
+    values[np.searchsorted(index, x)] = y  # `index` rises: each event's place in the file
+    values[np.searchsorted(index, y)] = x
+    return values
 
 
 def parse_events(events: EventColumns | list, rank: int = 0) -> Parsed:
     """The Timeline of one rank's `traceEvents` (columns, or the decoded JSON list; as `trace.load_timeline` builds
     it from the file), its annotation ranges and its ops' record function ids."""
-    frame = events_frame(events)
-    _index_correlation(frame)
-    coded, symbols = _symbols(frame)
-    ops, kernels, steps = trace._join_rank(rank, coded, symbols)
-    cats = frame["cat"].to_numpy()
-    annotations = frame.loc[cats == "user_annotation", ["name", "tid", "ts", "dur"]]
-    annotations = annotations.rename(columns={"ts": "ts_us", "dur": "dur_us"}).reset_index(drop=True)
-    records = frame.loc[cats == "cpu_op", ["index", "record_id"]].reset_index(drop=True)
+    cols, (names, cats) = _event_columns(events)
+    gpu = _on_gpu(cols, names, cats)
+    cols["index_correlation"] = _index_correlation(cols, gpu)
+    ops, kernels, steps = trace.join_columns(rank, cols, (names, cats))
+    annotation = cats.isin(("user_annotation",))
+    annotations = pd.DataFrame({"name": cols["name"][annotation], "tid": cols["tid"][annotation],
+                                "ts_us": cols["ts"][annotation], "dur_us": cols["dur"][annotation]})  # fmt: skip
+    is_op = cats.isin(("cpu_op",))
+    records = pd.DataFrame({"index": cols["index"][is_op], "record_id": cols["record_id"][is_op]})
     timeline = trace.Timeline(device_kind="cuda" if len(kernels) else "cpu", ops=ops, kernels=kernels, steps=steps)
-    return Parsed(timeline=timeline, annotations=annotations, record_frame=records, unlaunched=_unlaunched(frame))
+    return Parsed(timeline=timeline, annotations=annotations, record_frame=records,
+                  unlaunched=_unlaunched(cols, gpu, cats))  # fmt: skip

@@ -145,3 +145,15 @@ def test_write_csv_is_pandas_to_csv(which: str, tables: dict[str, pd.DataFrame],
     frame.to_csv(tmp_path / "pandas.csv", index=False, float_format="%.6g")
     analyze.write_csv(frame, tmp_path / "fast.csv")
     assert (tmp_path / "fast.csv").read_bytes() == (tmp_path / "pandas.csv").read_bytes()
+
+
+def test_write_csv_of_many_equal_string_objects(tmp_path: Path) -> None:
+    """A column of thousands of distinct string objects with few values (as `bound` and `module` are) is formatted
+    by value, one field per value, and still writes what pandas writes."""
+    values = ["".join(["memory", "-bound"]), "a,b", 'say "x"', ""]
+    frame = pd.DataFrame({"s": ["".join(list(values[i % 4])) for i in range(3000)], "f": np.arange(3000) / 7.0,
+                          "i": np.arange(3000) % 5})  # fmt: skip
+    assert len({id(v) for v in frame["s"]}) > 1000
+    frame.to_csv(tmp_path / "pandas.csv", index=False, float_format="%.6g")
+    analyze.write_csv(frame, tmp_path / "fast.csv")
+    assert (tmp_path / "fast.csv").read_bytes() == (tmp_path / "pandas.csv").read_bytes()

@@ -1,13 +1,15 @@
 """How `fusionscope analyze` scales with trace size: wall time, events per second and peak RSS per size.
 
-The spec's target: at least 200k trace events per second on the 2-core CPU, memory linear in events, a 1M-event trace
-analysed in under 4 GB. A real decode trace (tests/data/llama-3.2-1b-cuda.trace.json.gz, written by fusionscope on an
-H200: cpu_op with Input Dims, cudaLaunchKernel with correlation ids, kernels with External id / correlation, flow
-arrows, ProfilerStep#N, `fusionscope.phase:` and `nn.Module:` ranges) is replicated whole, copy after copy, with
-timestamps shifted past the previous copy and fresh External ids, correlation ids, flow ids and step numbers, until
-the event count is reached (whole copies only, so a kernel never loses its launch). Each trace is gzipped as
-`profile` writes its own and analysed in a fresh subprocess making the call the CLI makes
-(`fusionscope.analyze.analyze`, with `on_stage` timing each stage); the peak RSS is that child's, from `os.wait4`.
+The target: at least 200k trace events per second on the 2-core CPU, memory linear in events, a 1M-event trace
+analysed in at most 2 GB (the spec's first limit was 4 GB).
+
+A real decode trace (tests/data/llama-3.2-1b-cuda.trace.json.gz, written by fusionscope on an H200: cpu_op with Input
+Dims, cudaLaunchKernel with correlation ids, kernels with External id / correlation, flow arrows, ProfilerStep#N,
+`fusionscope.phase:` and `nn.Module:` ranges) is replicated whole, copy after copy, with timestamps shifted past the
+previous copy and fresh External ids, correlation ids, flow ids and step numbers, until the event count is reached
+(whole copies only, so a kernel never loses its launch). Each trace is gzipped as `profile` writes its own and analysed
+in a fresh subprocess making the call the CLI makes (`fusionscope.analyze.analyze`, with `on_stage` timing each stage);
+the peak RSS is that child's, from `os.wait4`.
 
     .venv/bin/python reports/analyze/scale.py            # writes reports/analyze/scale.json
     .venv/bin/python reports/analyze/scale.py --sizes 50000 200000 --profile 200000
@@ -38,7 +40,7 @@ STOP_AFTER_S = 240.0  # a size that takes longer ends the growth: the next would
 GAP_US = 1000.0  # idle time between two copies of the template
 STEP_PREFIX = "ProfilerStep#"
 TARGET_EVENTS_PER_S = 200_000
-TARGET_PEAK_MIB_AT_1M = 4096
+TARGET_PEAK_MIB_AT_1M = 2048
 
 CHILD = r"""
 import json, resource, sys, time
@@ -191,7 +193,7 @@ def verdict(rows: list[dict]) -> dict:
         "mib_per_1k_events_range": [min(per_k), max(per_k)],
         "marginal_mib_per_1k_events": marginal_mib_per_1k(rows),
         "peak_rss_mib_at_1m": at_1m["peak_rss_mib"] if at_1m else None,
-        "memory_at_1m_met": at_1m["peak_rss_mib"] < TARGET_PEAK_MIB_AT_1M if at_1m else None,
+        "memory_at_1m_met": at_1m["peak_rss_mib"] <= TARGET_PEAK_MIB_AT_1M if at_1m else None,
         "largest_events": biggest["events"],
     }
 
