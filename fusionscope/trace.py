@@ -1,6 +1,7 @@
 """From a trace file to a `Timeline`: DataFrames of aten ops and GPU kernels, each with its step, phase and module.
 
-HTA does the parsing (one rank per file, or a folder of ranks). fusionscope then joins, in one sweep per CPU thread:
+HTA does the parsing here (one rank per file, or a folder of ranks; `trace_events` decodes one file itself, faster,
+into the same columns, and `profile` and `analyze` load that way). fusionscope then joins, in one sweep per CPU thread:
 every CPU event inherits the innermost enclosing `ProfilerStep#N`, `fusionscope.phase:<name>` and
 `nn.Module: <path>` ranges (in a trace without those, captured elsewhere with `with_stack=True`, the Python tracer's
 `nn.Module: <Class>_<N>` calls, joined into a path: `LlamaModel_0.LlamaDecoderLayer_1.LlamaMLP_1`) and its innermost
