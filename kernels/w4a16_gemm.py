@@ -369,6 +369,8 @@ def _w4a16_kernel(
     WCOLS: tl.constexpr = KC // 8  # words per row in a sub-step
     rj = tl.arange(0, WCOLS)
     cols = (rj // (4 * U)) * 16 + ((rj // U) % 4) * 4 + rj % U  # sub-step column → word within its chunks
+    if U == 4:  # whole chunks: the words are contiguous, and Triton must see it to load 16 bytes at a time
+        cols = rj
     w_rows = qw_ptr + rn[:, None].to(tl.int64) * stride_qn + cols[None, :] * stride_qw
     rk = tl.arange(0, KC)
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :] * stride_xk
@@ -411,23 +413,163 @@ def _w4a16_kernel(
     if GROUP == 0:  # the one scale per column, applied once
         acc = acc * s[:, None]
 
+    _finish(acc, rn, rm, M, N, out_ptr, b_ptr, ws_ptr, cnt_ptr, stride_om, stride_on, stride_b, HAS_BIAS, SPLIT,
+            UPCAST)  # fmt: skip
+
+
+@triton.jit
+def _finish(acc, rn, rm, M, N, out_ptr, b_ptr, ws_ptr, cnt_ptr, stride_om, stride_on, stride_b, HAS_BIAS: tl.constexpr,
+            SPLIT: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """acc: (BLOCK_N, BLOCK_M) fp32 sums of this program's split of K. Unsplit: stored (+ bias), rounded once. Split:
+    stored to the workspace; the last split of the tile to arrive (an atomic counter per tile, which it resets) adds
+    the splits in split order (deterministic) and stores the output."""
     if SPLIT:
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        pid_k = tl.program_id(2)
         splits = tl.num_programs(2)
         mn = M * N
         tile = rm[None, :].to(tl.int64) * N + rn[:, None]
-        mask = n_ok[:, None] & m_ok[None, :]
+        mask = (rn < N)[:, None] & (rm < M)[None, :]
         tl.store(ws_ptr + pid_k.to(tl.int64) * mn + tile, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial sums stored before the release below
         counter = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if arrived == splits - 1:  # the last split of this tile: sum all of them in split order
-            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            total = tl.zeros(acc.shape, dtype=tl.float32)
             for other in range(0, splits):
                 total += tl.load(ws_ptr + other * mn + tile, mask=mask, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next call
             _store_out(out_ptr, b_ptr, total, rn, rm, M, N, stride_om, stride_on, stride_b, HAS_BIAS, UPCAST)
     else:
         _store_out(out_ptr, b_ptr, acc, rn, rm, M, N, stride_om, stride_on, stride_b, HAS_BIAS, UPCAST)
+
+
+@triton.jit
+def _per_column(v, GROUP: tl.constexpr):
+    """A group's value as (BLOCK_N, 16) or (BLOCK_N, 1), broadcasting over a chunk's 16 word columns."""
+    if GROUP != 0 and GROUP < 128:
+        return v
+    else:
+        return v[:, None]
+
+
+@triton.jit
+def _w4a16_gemv_kernel(
+    x_ptr,  # (M, K) activations; strides stride_xm, stride_xk
+    qw_ptr,  # (N, 16·⌈K/128⌉) int32 packed weights; strides stride_qn, stride_qw
+    s_ptr,  # (G, N) scales in x's dtype; strides stride_sg, stride_sn
+    z_ptr,  # (G, N) uint8 zero points; strides stride_zg, stride_zn
+    b_ptr,  # (N,) bias, stride stride_b; read only if HAS_BIAS
+    out_ptr,  # (M, N) output; strides stride_om, stride_on
+    ws_ptr,  # SPLIT: (splits, M, N) fp32 partial sums, contiguous; else unused
+    cnt_ptr,  # SPLIT: int32 counters, one per (row tile, column tile), 0 between calls; else unused
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_qn,
+    stride_qw,
+    stride_sg,
+    stride_sn,
+    stride_zg,
+    stride_zn,
+    stride_b,
+    stride_om,
+    stride_on,
+    steps_per_split,  # loop steps (CHUNKS chunks of 128 inputs each) per split
+    GROUP: tl.constexpr,  # group size (a power of two ≥ 32); 0: one group per output channel
+    CHUNKS: tl.constexpr,  # 128-input chunks per loop step
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    EVEN: tl.constexpr,  # N % BLOCK_N == 0, K % (128·CHUNKS) == 0 and every split full: no masks
+    UPCAST: tl.constexpr,  # the interpreter: round the output by hand
+    EXACT_ZERO: tl.constexpr,  # fp32 activations: subtract the zero from each weight (exact), no Σx cancellation
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """The decode path (M ≤ 16) on the CUDA cores: no layout conversion, no shared memory between the load and the
+    math. A program holds a (BLOCK_N, 16)-word tile of a chunk (16 bytes per lane and row) and keeps its sums per
+    word column, (BLOCK_M, BLOCK_N, 16) in fp32, reducing across the columns once at the end. Per word: four
+    SHF + LOP3 make four bf16 pairs 128 + q (`0x43004300`, whatever x's dtype), each half widened to fp32 by one
+    shift or AND; the matching x values are gathered once per chunk and shared by every output of the program."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_ok = rn < N
+    m_ok = rm < M
+    rj = tl.arange(0, 16)
+    k_of_word = 32 * (rj % 4) + 2 * (rj // 4)  # input of nibble 0 of word j within its chunk (CHUNK_ORDER[j][0])
+    w_rows = qw_ptr + rn[:, None].to(tl.int64) * stride_qn + rj[None, :] * stride_qw
+    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
+    n_words = tl.cdiv(K, 128) * 16
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N, 16), dtype=tl.float32)
+    if GROUP == 0:
+        s = tl.load(s_ptr + rn * stride_sn, mask=n_ok, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + rn * stride_zn, mask=n_ok, other=0).to(tl.float32) + 128.0
+    first = pid_k * steps_per_split
+    last = min(first + steps_per_split, tl.cdiv(K, 128 * CHUNKS))
+    for step in tl.range(first, last, num_stages=STAGES):
+        for c in tl.static_range(CHUNKS):
+            chunk = step * CHUNKS + c
+            k_word = chunk * 128 + k_of_word  # (16,)
+            if EVEN:
+                w = tl.load(w_rows + chunk * 16 * stride_qw)
+            else:
+                w = tl.load(w_rows + chunk * 16 * stride_qw, mask=n_ok[:, None] & (chunk * 16 + rj < n_words)[None, :],
+                            other=0)  # fmt: skip
+            part = tl.zeros((BLOCK_M, BLOCK_N, 16), dtype=tl.float32)
+            x_sum = tl.zeros((BLOCK_M, 16), dtype=tl.float32)
+            if GROUP != 0:
+                if GROUP < 128:  # a word's 32 inputs share a group; the 4 words of a lane group do not
+                    g = (chunk * 128 + 32 * (rj % 4)) // GROUP
+                    s_at = s_ptr + g[None, :] * stride_sg + rn[:, None] * stride_sn
+                    z_at = z_ptr + g[None, :] * stride_zg + rn[:, None] * stride_zn
+                    ok = n_ok[:, None] & (chunk * 128 + 32 * (rj % 4) < K)[None, :]  # past K: no group
+                    s = tl.load(s_at, mask=ok, other=0.0).to(tl.float32)  # (BLOCK_N, 16)
+                    z = tl.load(z_at, mask=ok, other=0).to(tl.float32) + 128.0
+                else:
+                    g = chunk * 128 // GROUP
+                    s = tl.load(s_ptr + g * stride_sg + rn * stride_sn, mask=n_ok, other=0.0).to(tl.float32)
+                    z = tl.load(z_ptr + g * stride_zg + rn * stride_zn, mask=n_ok, other=0).to(tl.float32) + 128.0
+            for i in tl.static_range(4):
+                pair = ((w >> (4 * i)) & 0x000F000F) | 0x43004300  # nibbles i and i + 4: bf16 128 + q each
+                lo = (pair << 16).to(tl.float32, bitcast=True)
+                hi = (pair & -65536).to(tl.float32, bitcast=True)  # 0xFFFF0000
+                if EXACT_ZERO:
+                    lo = lo - _per_column(z, GROUP)
+                    hi = hi - _per_column(z, GROUP)
+                k_lo = k_word + 16 * (i // 2) + 8 * (i % 2)  # nibble p = i: e = 0, i1 = i // 2, i0 = i % 2
+                if EVEN:
+                    x_lo = tl.load(x_rows + k_lo[None, :] * stride_xk, mask=m_ok[:, None], other=0.0)
+                    x_hi = tl.load(x_rows + (k_lo + 1)[None, :] * stride_xk, mask=m_ok[:, None], other=0.0)
+                else:
+                    x_lo = tl.load(x_rows + k_lo[None, :] * stride_xk, mask=m_ok[:, None] & (k_lo < K)[None, :],
+                                   other=0.0)  # fmt: skip
+                    x_hi = tl.load(x_rows + (k_lo + 1)[None, :] * stride_xk,
+                                   mask=m_ok[:, None] & (k_lo + 1 < K)[None, :], other=0.0)  # fmt: skip
+                x_lo = x_lo.to(tl.float32)
+                x_hi = x_hi.to(tl.float32)
+                part += lo[None, :, :] * x_lo[:, None, :]  # two statements: two FFMA, not FMUL + FFMA + FADD
+                part += hi[None, :, :] * x_hi[:, None, :]
+                if not EXACT_ZERO:
+                    x_sum += x_lo + x_hi
+            if not EXACT_ZERO:  # Σ x·(128 + q) − (128 + zero)·Σ x, per word column
+                part -= _per_column(z, GROUP)[None, :, :] * x_sum[:, None, :]
+            if GROUP == 0:
+                acc += part
+            else:
+                acc += part * _per_column(s, GROUP)[None, :, :]
+    sums = tl.sum(acc, axis=2)  # (BLOCK_M, BLOCK_N)
+    if GROUP == 0:
+        sums = sums * s[None, :]
+    _finish(tl.trans(sums), rn, rm, M, N, out_ptr, b_ptr, ws_ptr, cnt_ptr, stride_om, stride_on, stride_b, HAS_BIAS,
+            SPLIT, UPCAST)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------------- schedule
@@ -439,6 +581,12 @@ def _w4a16_kernel(
 #   (at most the steps; the last split shorter where n does not divide them); num_warps, num_stages: Triton's.
 # First choices from the sm_90 instruction counts in the docstring; `reports/w4a16/gpu_w4a16.py` times them.
 TILES = Tunables(
+    gemv1=(1, {"GEMV": 1, "BLOCK_M": 1, "BLOCK_N": 256, "BLOCK_K": 128, "KC": 128, "SPLIT_K": 0, "num_warps": 8,
+               "num_stages": 2}),
+    gemv2=(2, {"GEMV": 1, "BLOCK_M": 2, "BLOCK_N": 256, "BLOCK_K": 128, "KC": 128, "SPLIT_K": 0, "num_warps": 8,
+               "num_stages": 2}),
+    gemv4=(4, {"GEMV": 1, "BLOCK_M": 4, "BLOCK_N": 64, "BLOCK_K": 256, "KC": 128, "SPLIT_K": 0, "num_warps": 4,
+               "num_stages": 2}),
     decode8=(8, {"BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 256, "KC": 128, "SPLIT_K": 0, "num_warps": 4,
                  "num_stages": 3}),
     decode16=(16, {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 256, "KC": 128, "SPLIT_K": 0, "num_warps": 4,
@@ -451,6 +599,8 @@ TILES = Tunables(
 # SPLIT_K = 0: the smallest split dividing the steps that gives at least programs_per_sm programs per SM, at most
 # max_split, keeping min_steps loop steps per split (the pipeline needs a few to overlap loads with work).
 FILL = Tunables(programs_per_sm=1, max_split=32, min_steps=2)
+# The CUDA-core decode kernel keeps few bytes in flight per program: more programs per SM hide the loads' latency.
+FILL_GEMV = Tunables(programs_per_sm=4, max_split=32, min_steps=1)
 # Under the Triton interpreter (CPU tensors) a program costs per operation, not per element, so tiles there are as
 # wide as numpy handles well. The sub-step structure along K is the GPU's.
 INTERPRETER = Tunables(enabled=True, BLOCK_M=64, BLOCK_N=1024)
@@ -485,18 +635,20 @@ def schedule(M: int, N: int, K: int, device: torch.device, group_size: int = 128
         tiles["BLOCK_M"] = max(tiles["BLOCK_M"], min(pow2(M), INTERPRETER["BLOCK_M"]))
         tiles["BLOCK_N"] = max(tiles["BLOCK_N"], min(pow2(N), INTERPRETER["BLOCK_N"]))
     group = 0 if group_count(K, group_size) == 1 else group_size
-    kc = min(int(tiles["KC"]), group) if group else int(tiles["KC"])
+    gemv = bool(tiles.get("GEMV"))
+    kc = CHUNK if gemv else min(int(tiles["KC"]), group) if group else int(tiles["KC"])
     block_k = max(int(tiles["BLOCK_K"]), kc)
     tiles.update(KC=kc, BLOCK_K=block_k, CHUNKS=block_k // kc)
     steps = cdiv(K, block_k)
     tiles_mn = cdiv(M, tiles["BLOCK_M"]) * cdiv(N, tiles["BLOCK_N"])
-    divisors = [d for d in range(1, min(steps, FILL["max_split"]) + 1) if steps % d == 0]
+    fill = FILL_GEMV if gemv else FILL
+    divisors = [d for d in range(1, min(steps, fill["max_split"]) + 1) if steps % d == 0]
     want = int(tiles["SPLIT_K"])
     if not split_ok or tiles_mn > COUNTERS:
         split = 1
     elif want <= 0:
-        target = FILL["programs_per_sm"] * (sm_count(device.index or 0) if device.type == "cuda" else 1)
-        fits = [d for d in divisors if steps // d >= FILL["min_steps"]] or [1]
+        target = fill["programs_per_sm"] * (sm_count(device.index or 0) if device.type == "cuda" else 1)
+        fits = [d for d in divisors if steps // d >= fill["min_steps"]] or [1]
         split = next((d for d in fits if tiles_mn * d >= target), fits[-1])
     else:
         split = min(want, steps)
@@ -539,6 +691,9 @@ def _launch(
     wdt = torch.float16 if x.dtype == torch.float16 else torch.bfloat16
     magic, base = MAGIC[wdt]
     grid = (cdiv(N, tiles["BLOCK_N"]), cdiv(M, tiles["BLOCK_M"]), plan.splits)
+    if tiles.get("GEMV"):
+        _launch_gemv(grid, plan, x, qweight, scales, zeros, group_size, bias, out, workspace, tile_counters)
+        return
     launchable(_w4a16_kernel)[grid](
         x,
         qweight,
@@ -573,6 +728,60 @@ def _launch(
         SPLIT=split,
         EVEN=plan.even,
         UPCAST=interpreted,
+        EXACT_ZERO=x.dtype == torch.float32,
+        BLOCK_M=tiles["BLOCK_M"],
+        BLOCK_N=tiles["BLOCK_N"],
+        STAGES=tiles["num_stages"],
+        num_warps=tiles["num_warps"],
+    )
+
+
+def _launch_gemv(
+    grid: tuple[int, int, int],
+    plan: Schedule,
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    workspace: torch.Tensor | None,
+    tile_counters: torch.Tensor | None,
+) -> None:
+    M, K = x.shape
+    split = workspace is not None
+    tiles = plan.tiles
+    launchable(_w4a16_gemv_kernel)[grid](
+        x,
+        qweight,
+        scales,
+        zeros,
+        bias if bias is not None else scales,
+        out,
+        workspace if split else out,
+        tile_counters if split else out,
+        M,
+        qweight.shape[0],
+        K,
+        x.stride(0),
+        x.stride(1),
+        qweight.stride(0),
+        qweight.stride(1),
+        scales.stride(0),
+        scales.stride(1),
+        zeros.stride(0),
+        zeros.stride(1),
+        bias.stride(0) if bias is not None else 0,
+        out.stride(0),
+        out.stride(1),
+        plan.steps_per_split,
+        GROUP=0 if group_count(K, group_size) == 1 else group_size,
+        CHUNKS=tiles["CHUNKS"],
+        HAS_BIAS=bias is not None,
+        SPLIT=split,
+        EVEN=plan.even,
+        UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
         EXACT_ZERO=x.dtype == torch.float32,
         BLOCK_M=tiles["BLOCK_M"],
         BLOCK_N=tiles["BLOCK_N"],

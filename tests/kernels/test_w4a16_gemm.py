@@ -69,7 +69,10 @@ def _tiles(bm: int = 8, bn: int = 64, bk: int = 256, kc: int = 128, split: int =
 
 # sub-steps of 32, 64, 128 and 256 inputs (one dot each), 1-8 of them per loop step, 8 and 16 rows per program
 CONFIGS = {"decode": _tiles(), "kc32": _tiles(bm=16, bn=32, bk=128, kc=32), "kc64": _tiles(bn=128, bk=128, kc=64),
-           "kc256": _tiles(bm=16, bn=64, bk=512, kc=256)}  # fmt: skip
+           "kc256": _tiles(bm=16, bn=64, bk=512, kc=256),
+           # the CUDA-core decode kernel: 1 and 4 rows per program, one or two 128-input chunks per loop step
+           "gemv1": {**_tiles(bm=1, bn=64, bk=256), "GEMV": 1},
+           "gemv4": {**_tiles(bm=4, bn=32, bk=128), "GEMV": 1}}  # fmt: skip
 
 
 def _scale(dtype: torch.dtype, K: int) -> float:
@@ -251,6 +254,8 @@ SPLIT_CASES = [
     ("decode", torch.float32),
     ("kc64", torch.float16),
     ("kc256", torch.bfloat16),
+    ("gemv1", torch.bfloat16),
+    ("gemv4", torch.float32),
 ]
 
 
@@ -287,11 +292,14 @@ def test_decode_fills_an_h200(M: int, K: int, N: int, monkeypatch: pytest.Monkey
     programs = math.ceil(M / tiles["BLOCK_M"]) * math.ceil(N / tiles["BLOCK_N"]) * plan.splits
     assert programs >= 132 and plan.even
     steps = K // tiles["BLOCK_K"]
-    assert plan.steps_per_split * plan.splits == steps and plan.steps_per_split >= 2
+    fill = _module().FILL_GEMV if tiles.get("GEMV") else _module().FILL
+    assert plan.steps_per_split * plan.splits == steps and plan.steps_per_split >= fill["min_steps"]
 
 
-def test_shipped_tiles_use_the_tensor_cores_with_8_or_16_rows_at_decode() -> None:
-    assert [schedule(M, 4096, 4096, torch.device("cpu")).tiles["BLOCK_M"] for M in (1, 8, 9, 16)] == [8, 8, 16, 16]
+def test_shipped_tiles_use_the_cuda_cores_up_to_4_rows_and_the_tensor_cores_above() -> None:
+    plans = [schedule(M, 4096, 4096, torch.device("cpu")).tiles for M in (1, 2, 3, 4, 8, 9, 16)]
+    assert [bool(t.get("GEMV")) for t in plans] == [True] * 4 + [False] * 3
+    assert [t["BLOCK_M"] for t in plans] == [1, 2, 4, 4, 8, 16, 16]
     assert all(config["BLOCK_K"] % config["KC"] == 0 for _, config in TILES.values())
 
 
