@@ -1,67 +1,89 @@
-"""W4A16: a GEMM whose int4 weights are dequantised in registers on the way into the tensor cores, never written out.
+"""W4A16: a GEMM whose int4 weights are dequantised in registers on the way into the dot, never written to memory.
 
-A weight-only quantised Linear run as people write it in PyTorch unpacks the int4 weight with shifts and masks,
-casts it, subtracts the zero point, multiplies by the scale — each op a kernel writing a full K×N temporary — and
-only then calls cuBLAS on a bf16 weight it has just written (`w4a16_reference` is that chain, op by op). Per call,
-x: (M, K), K×N weights, activations of s bytes, group size g:
-    unfused ≈ 38.5·K·N bytes in bf16 (the int32 shift and mask temporaries, the expanded scales and zeros, the casts,
-              the subtract and multiply, the GEMM reading the weight back), 19× the bf16 GEMM's 2·K·N
-    fused   = K·N·0.5 + (K/g)·N·(s + 1) + (M·K + M·N)·s ≈ 0.523·K·N bytes in bf16 at g = 128
-At decode sizes (M ≤ 16) the weight read is the whole cost: the kernel is a weight-streaming problem whose floor is
-0.523·K·N bytes at the memory bandwidth, and what keeps it off that floor is instructions per weight.
+A weight-only quantised Linear run as people write it in PyTorch unpacks the int4 weight with shifts and masks, casts
+it, subtracts the zero point, multiplies by the scale — each op a kernel writing a full K×N temporary — and only then
+calls cuBLAS on a bf16 weight it has just written. Per call, x: (M, K), K×N weights, activations of s bytes, group
+size g (`w4a16_reference` is that chain, op by op):
+    unfused = K·N·(0.5 + 4   shift: read the packed weight, write int32
+                   + 4 + 4     mask: read and write int32 (the reshape and the slice are views)
+                   + 1 + s     expand the zeros (uint8) and the scales to K×N
+                   + 4 + s     cast q to the activations' dtype
+                   + 1 + s     cast the zeros
+                   + 3·s       subtract
+                   + 3·s       multiply by the scales
+                   + s)        the GEMM reads the weight back
+              + (M·K + M·N)·s
+            ≈ 38.5·K·N bytes in bf16 (s = 2), 19× the bf16 GEMM's 2·K·N, in 8 kernels and the GEMM
+    fused   = K·N·0.5 + (K/g)·N·(s + 1) + (M·K + M·N)·s
+            ≈ 0.523·K·N bytes in bf16 at g = 128, 3.8× fewer than the bf16 GEMM's 2·K·N
+At decode sizes (M ≤ 16) the weight read is the whole cost, so the fused kernel is a weight-streaming problem: its
+floor is 0.523·K·N bytes at the copy bandwidth.
 
-## The packed layout, `PackedW4` (made once: `quantize_w4`, `from_gptq`, `from_awq` all call `pack_w4`)
-- `qweight`: int32 (N, 16·⌈K/128⌉), one row per output. K is cut into chunks of 128 inputs, 16 words each. Word
-  16·b + j (j = 4·c + u, c and u in 0..3) of row n holds the 8 inputs k = 128·b + 32·u + 16·i1 + 8·i0 + 2·c + e of
-  output n, input (e, i1, i0) in nibble p = 4·e + 2·i1 + i0, i.e. bits 4p..4p+3 (`CHUNK_ORDER[j, p]` is that k − 128·b).
-  Nibbles past K are 0. `pack_w4` / `unpack_w4` convert from / to q (K, N) and invert each other exactly.
+## The packed layout (ours), `PackedW4`
+- `qweight`: int32 (16·⌈K/128⌉, N). K is cut into blocks of 128 inputs; input k = 128·b + 16·j + r (block b, nibble
+  j in 0..7, row r in 0..15) of output n is `(qweight[16·b + r, n] >> 4·j) & 0xF`. Unused nibbles past K are 0.
 - `scales`: (G, N) in the activations' dtype, G = ⌈K/g⌉; `zeros`: uint8 (G, N), each in 0..15.
-- w[k, n] = (q[k, n] − zeros[k // g, n]) · scales[k // g, n]; the GEMM is out = x @ w (+ bias), w the transpose of
-  nn.Linear's (N, K) weight. Symmetric quantisation is zeros = 8.
-- g is a power of two ≥ 32 (32 consecutive inputs of a row come from the same 4 words: see below) or ≥ K (one group per
-  output channel; -1 says so). Any K ≥ 1 and N ≥ 1: K is padded with zero nibbles to the chunk, N is masked.
-- Bytes per weight: 0.5 + (s + 1)/g — 0.5234 at g = 128 in bf16.
+- w[k, n] = (q[k, n] − zeros[k // g, n]) · scales[k // g, n], and the GEMM is out = x @ w (+ bias), i.e. w is the
+  transpose of nn.Linear's (N, K) weight. Symmetric quantisation is zeros = 8.
+- g is a power of two ≥ 16 (32, 64 and 128 are the common ones) or ≥ K: one group per output channel.
+- Bytes per weight: 0.5 + (s + 1)/g — 0.5234 at g = 128 in bf16 (0.5469 at 32, 0.5 + 3/K per channel).
+Why this order: unpacking nibble j of a (16, BLOCK_N) slab of `qweight` yields 16 *consecutive* inputs, so each of the
+8 planes of a block is one (BLOCK_M, 16) × (16, BLOCK_N) dot against a contiguous slice of x: no reshape or
+interleave of registers, no strided gather of x, and the slab is loaded once (not once per nibble). N is the
+contiguous dimension, so a program's (16, BLOCK_N) slab is 16 runs of 4·BLOCK_N bytes. GPTQ (K-packed, nibble j of
+row i is input 8·i + j) and AWQ (N-packed in the order 0, 2, 4, 6, 1, 3, 5, 7) checkpoints convert with `from_gptq`
+and `from_awq`, once, at load or patch time.
 
-Why this order. The kernel computes outᵀ = wᵀ · xᵀ on the tensor cores with the weights as the left operand, which
-Hopper's wgmma (and mma.sync) take from registers: a thread's share of a (64, 16) left tile is rows r and r + 8,
-inputs 2c + {0, 1} and 2c + 8 + {0, 1} (c = lane % 4), bf16 pairs (k, k + 1) packed in one 32-bit register. In the
-order above, the 4 words a lane loads for a row and a chunk (u = 0..3, contiguous: one 16-byte load) hold exactly
-its 32 inputs of that chunk, and nibbles p and p + 4 of a word are such a pair (e = 0 in the low half-word, e = 1 in
-the high one). So the unpacked tile is, register for register, the dot's operand: the Triton code below
-(`_unpack`: shifts, masks, `join`, `reshape`, `permute`) compiles for sm_90 with no layout conversion and no shared
-memory between the load and the wgmma (the loads themselves go through shared memory by cp.async, pipelined).
+## Dequantising in registers
+Tensor-core kernel, per plane: `(packed >> 4·j) & 0xF | 0x4B000000` read as fp32 is 2²³ + q exactly, so subtracting
+2²³ + zero (computed once per group row) gives q − zero with one integer op and one fp32 add, where `q.to(float32)`
+would be an int-to-float conversion, which the CUDA C Programming Guide's throughput table lists at 16 per clock per SM
+on sm_80/sm_90 against 128 for fp32 adds (the table, not a measurement here): at 4096 × 14336 the conversions alone
+would take ~14 µs on an H200 by that rate, twice the weight read (~7 µs). The product (q − zero) · scale is exact in
+fp32 (a 4-bit integer times a 16-bit float) and rounded once to the activations' dtype, so the tensor-core kernel feeds
+the dot the very weights the unfused chain writes: the two differ only in the order of the fp32 accumulation.
+GEMV kernel: no shift for nibbles 0–3 — the nibble at bits 4i..4i+3 OR-ed with the exponent of 2^(23 − 4i) reads as
+2^(23 − 4i) + q, its lowest bit worth 1 — and one shift of the word by 16 for nibbles 4–7: one AND-OR per weight
+(ptxas makes it one LOP3), one fp32 subtract of 2^(23 − 4i) + zero, then one FMA per row of x. The scale multiplies
+each group's fp32 sum of x·(q − zero) once per column, never a weight, so no weight is rounded: the GEMV is at least as
+close to the float64 answer as the unfused chain (tests check it) but not bit-comparable to it.
 
-## Conversion: two weights per AND-OR, the zero point and the scale per group, not per weight
-`((word >> 4i) & 0x000F000F) | 0x43004300` is two bf16 values 128 + q (nibbles i and i + 4): 0x4300 is bf16 128.0,
-whose mantissa's last bit is worth 1, so OR-ing q into it gives 128 + q exactly. One SHF and one LOP3 per two weights
-(none of the shifts for i = 0); no int → float conversion. fp16 activations use 0x6400 (1024.0, 10-bit mantissa). The
-tensor cores multiply these (128 + q) by x, accumulating in fp32 per group of inputs, and the zero point and the
-scale apply to that group's sum, once per output and row of x:
-    Σ_k x_k · w_k = s · (Σ_k x_k · (128 + q_k) − (128 + z) · Σ_k x_k)           (over one group's inputs)
-so each weight costs 1/2 SHF + 1/2 LOP3 + its share of the wgmma. Σ_k x_k is summed from the x tile the step loads.
-The products are exact in fp32 (8-bit × 8-bit significands) and the subtraction cancels about 7 bits (10 in fp16) of
-the fp32 sums: the result is well within the output dtype's rounding of the float64 answer (tests check it); it is
-not bit-comparable to the unfused chain, which rounds every dequantised weight to bf16 first.
-fp32 activations: the same (128 + q) in bf16, widened, minus 128 + zero per weight (exact in fp32, no cancellation),
-and an IEEE fp32 dot (slow: a correctness path).
-Compiled for sm_90 here (Triton 3.9 and its ptxas, no GPU): BLOCK_N 128, 256 inputs per step, 4 warps, 8 rows:
-~2.0 SASS instructions per weight in the loop (0.9 of them the conversion, the rest the x tile, its sum, the group's
-scaling of the accumulator, addresses and the pipeline), against 5.7–7.8 for the CUDA-core GEMV it replaces. At
-132 SMs issuing 4 warp-instructions per clock at 1.98 GHz, 4096 × 14336 weights take 3.6 µs of issue against
-~7 µs for their 30.8 MB at 4.4 TB/s: bound by bytes, if issue runs at half its peak or better.
-
-## Schedule (`TILES`, by M; nothing chosen at call time that a CUDA graph could not capture)
-- Tensor cores for every M: the rows of x are the dot's N dimension (wgmma n = 8 or 16 at decode, padded rows of x
-  read as 0), BLOCK_N outputs per program (the dot's M, 64 per warpgroup).
-- Each step loads BLOCK_K inputs in CHUNKS sub-steps of KC = min(KC, g) inputs: one dot, one Σx and one scaling per
-  sub-step (a sub-step never straddles a group).
-- Split-K (SPLIT_K = 0: the smallest split dividing the steps that gives `FILL` programs per SM): each split stores
-  its fp32 partial sums to a workspace the public function allocates with the output, and the last split of a tile
-  to arrive (an atomic counter per tile, which it resets) adds the splits in a fixed order, adds the bias and rounds:
-  deterministic, and no second kernel. The counters are one zeroed int32 buffer per device, allocated once and kept
-  (`counters`); a call captured into a CUDA graph before any eager call on its device runs unsplit. Two calls running
-  at the same time on different streams must not share a device's counters (they would, with split-K).
-- The measured choice is in `reports/w4a16/`; `gpu_w4a16.py` times the candidates.
+## Schedules (`TILES`, fixed per range of M: no autotuning, nothing at call time that a CUDA graph could not capture)
+At decode sizes a call is a weight-streaming problem; what limits a kernel is bytes in flight and instructions per
+weight, not FLOPs. The schedule measured on the H200 on 2026-12-01 (`SHIPPED_BEFORE`: 16-row MMA tiles, 64 columns, 8
+dots with K = 16 per 128-block) read at 25–37% of the copy bandwidth at M = 1–16 whatever its tiles: for one row the
+MMA does 16× the needed work and each plane's operand goes through a layout conversion.
+- gemv (M = 1, `_w4a16_gemv_kernel`): CUDA cores, no tl.dot. A program owns BLOCK_N columns (256: each of the 16 rows
+  of a block's slab is a 1 KiB contiguous run of `qweight`) and a range of 128-blocks along K; it keeps one (16,
+  BLOCK_N) fp32 accumulator per row of x (BLOCK_M ≤ 4 rows per program, each weight dequantised once for all of
+  them) and sums the 16 slab rows only at the end, so nothing in the loop leaves the slab's register layout.
+  PREFETCH loads block b + 1 before working on block b (Triton's pipeliner only stages loads that feed a dot; the
+  bytes in flight come from this, from the resident programs and from BLOCK_K's blocks per step). Split-K as below.
+  Compiled for sm_90 here (Triton 3.9, ptxas, no GPU): 128 registers at M = 1 and 254 at M = 4 with 8 warps, no
+  spills; per weight at M = 1 one FFMA, one LOP3 and about one FADD, and in all 5.7–7.8 SASS instructions per weight
+  for 512–256 columns (the whole kernel's count over one step's weights, prologue included; the rest is x loads,
+  their bf16 → fp32 and addressing, shared by BLOCK_N / 32 columns per thread). At 132 SMs issuing 128 per clock at
+  1.98 GHz that is 10–14 µs for 4096 × 14336 against ~7 µs for its 30.8 MB at 4.4 TB/s: issue, not bandwidth, may
+  be the limit at M = 1, more so at M = 4 (one FFMA per row); the sweep measures it.
+- decode (2 ≤ M ≤ 16) and prefill (M > 16, `_w4a16_mma_kernel`): tensor cores, the dequantisation inside the K loop.
+  UNPACK "tile" unpacks a whole (16·BLOCK_K/128, BLOCK_N) slab at once: viewed as (blocks, 1, 16, BLOCK_N) and
+  shifted by the 8 nibble offsets it is (blocks, 8, 16, BLOCK_N), whose first three dims merge into BLOCK_K inputs in
+  their natural order (input 128·b + 16·j + r), so each step is one dot with K = BLOCK_K ≥ 128 against a contiguous
+  x tile, and Triton pipelines both loads (cp.async, num_stages buffers) into one wgmma per step (sm_90 TTGIR: no
+  layout conversion in the loop). Its known cost: each thread holds one column's consecutive inputs while the
+  operand's shared layout is N-major, so the dequantised tile is stored with one 2-byte store per weight. UNPACK
+  "planes" is the schedule measured before (8 dots of K = 16 per block). Grouped tile order (GROUP_M) for L2 reuse.
+- split-K (both kernels): SPLIT_K = 0 splits K in the smallest power of two giving `FILL` programs per SM (at most
+  max_split); the splits write fp32 partial sums to a workspace the public function allocates with the output
+  ((splits, M, N) fp32, the same size every call of a shape), and a second launch adds them in a fixed order
+  (deterministic), adds the bias and rounds once.
+The shipped tiles are the sweep's best on the H200 (2026-12-02 11:48, `reports/w4a16/w4a16_sweep_1148.*`: 23
+schedules, each checked against float64, then timed against bf16 cuBLAS with L2-cold weights on Llama-3-8B's three
+projection shapes): M = 1 the GEMV with 128 columns and 256 inputs per step, 4 warps, no prefetch (10.1 / 25.0 /
+25.2 µs: 1.27× faster than bf16 cuBLAS by geometric mean, at 21–29% of the read roof — issue-bound, as counted
+above); M = 4 and 16 the tile-unpacking MMA with 16 × 64 × 128 tiles (≈ bf16 cuBLAS, 0.99–1.01×; the GEMV at M = 4
+was 0.56–0.65×); M = 4096 256 × 128 × 128 with 8 warps and 2 stages (0.52× bf16 cuBLAS; the schedule before 0.35×).
+M from 17 to 256 keeps an unmeasured first choice.
 """
 
 from __future__ import annotations
@@ -78,32 +100,23 @@ from fusionscope.kernels.dispatch import Tunables, cdiv, launchable, pow2, run, 
 from fusionscope.kernels.rounding import round_to
 from torch.library import triton_op
 
-CHUNK = 128  # inputs per chunk of a `qweight` row
-WORDS = 16  # int32 words per chunk and row
+BLOCK = 128  # inputs per block of `qweight`: 16 rows × 8 nibbles
+ROWS = 16  # int32 rows of `qweight` per block
 NIBBLES = 8
-MIN_GROUP = 32  # the smallest group: a lane's 4 words hold 32 consecutive inputs of a chunk in nibble pairs
-# Bit patterns: OR-ing a nibble q into the low 4 bits of each 16-bit half gives two values BASE + q.
-MAGIC = {torch.bfloat16: (0x43004300, 128.0), torch.float16: (0x64006400, 1024.0)}
+MAGIC = 0x4B000000  # fp32 bits of 2**23: OR-ing a 4-bit q into the mantissa gives the float 2**23 + q
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class PackedW4(NamedTuple):
     """Int4 weights in the layout above: `w4a16_gemm(x, *packed)` takes them as they are."""
 
-    qweight: torch.Tensor  # int32 (N, 16·⌈K/128⌉)
+    qweight: torch.Tensor  # int32 (16·⌈K/128⌉, N)
     scales: torch.Tensor  # (G, N), the activations' dtype
     zeros: torch.Tensor  # uint8 (G, N), 0..15
     group_size: int  # inputs per group; ≥ K: one group per output channel
 
 
 # ---------------------------------------------------------------------------------------------- layout, plain torch
-
-# Word j = 4·c + u of a chunk, nibble p = 4·e + 2·i1 + i0 → its input within the chunk, 32·u + 16·i1 + 8·i0 + 2·c + e.
-CHUNK_ORDER = [[32 * (j % 4) + 16 * ((p >> 1) & 1) + 8 * (p & 1) + 2 * (j // 4) + (p >> 2) for p in range(NIBBLES)]
-               for j in range(WORDS)]  # fmt: skip
-# The dims of a chunk's nibbles as (c, u, e, i1, i0) ↔ as inputs (u, i1, i0, c, e), each a permutation of the other.
-_TO_INPUTS = (0, 2, 4, 5, 1, 3)  # (chunk, c, u, e, i1, i0) → (chunk, u, i1, i0, c, e)
-_TO_WORDS = (0, 4, 1, 5, 2, 3)  # (chunk, u, i1, i0, c, e) → (chunk, c, u, e, i1, i0)
 
 
 def group_count(K: int, group_size: int) -> int:
@@ -112,46 +125,38 @@ def group_count(K: int, group_size: int) -> int:
 
 
 def check_group_size(group_size: int, K: int) -> int:
-    """The group size as the kernel takes it: a power of two ≥ 32, or ≥ K (per channel); -1 means per channel and
-    becomes K. ValueError otherwise: a group must not split the 32 inputs a lane's words hold in one chunk."""
+    """The group size as the kernel takes it: a power of two ≥ 16, or ≥ K (per channel); -1 means per channel and
+    becomes K. ValueError otherwise (the kernel reloads a plane's scales only where a group starts, which it knows at
+    compile time for these sizes)."""
     if isinstance(group_size, bool) or not isinstance(group_size, int):
         raise ValueError(f"group_size must be an int, got {type(group_size).__name__}")
     if group_size == -1:
         return K
-    if group_size >= K or (group_size >= MIN_GROUP and group_size & (group_size - 1) == 0):
+    if group_size >= K or (group_size >= ROWS and group_size & (group_size - 1) == 0):
         return group_size
-    raise ValueError(f"group_size must be a power of two >= {MIN_GROUP}, or >= K = {K} (per channel; -1), got "
-                     f"{group_size}: the packed layout keeps 32 consecutive inputs in one lane's words")  # fmt: skip
-
-
-def packed_words(K: int) -> int:
-    """Columns of `qweight` for K inputs: 16 per chunk of 128."""
-    return WORDS * cdiv(K, CHUNK)
+    raise ValueError(f"group_size must be a power of two >= {ROWS}, or >= K = {K} (per channel; -1), got {group_size}")
 
 
 def pack_w4(q: torch.Tensor) -> torch.Tensor:
-    """q: (K, N) integers in 0..15 → `qweight` (N, 16·⌈K/128⌉) int32 in the layout of the module docstring."""
+    """q: (K, N) integers in 0..15 → `qweight` (16·⌈K/128⌉, N) int32 in the layout of the module docstring."""
     K, N = q.shape
-    chunks = cdiv(K, CHUNK)
-    padded = torch.zeros(N, chunks * CHUNK, dtype=torch.int64, device=q.device)
-    padded[:, :K] = q.t().to(torch.int64)
-    nibbles = padded.view(N, chunks, 4, 2, 2, 4, 2).permute(0, *(1 + d for d in _TO_WORDS))  # (n, b, c, u, e, i1, i0)
-    nibbles = nibbles.reshape(N, chunks, WORDS, NIBBLES)
-    shifts = 4 * torch.arange(NIBBLES, device=q.device, dtype=torch.int64)
-    words = (nibbles << shifts).sum(dim=-1)  # disjoint bits: the sum is the OR, in int64 (nibble 7 reaches bit 31)
+    blocks = cdiv(K, BLOCK)
+    padded = torch.zeros(blocks * BLOCK, N, dtype=torch.int64, device=q.device)
+    padded[:K] = q.to(torch.int64)
+    planes = padded.view(blocks, NIBBLES, ROWS, N)  # input 128·b + 16·j + r at [b, j, r]
+    shifts = (4 * torch.arange(NIBBLES, device=q.device, dtype=torch.int64)).view(1, NIBBLES, 1, 1)
+    words = (planes << shifts).sum(dim=1)  # disjoint bits: the sum is the OR, in int64 (nibble 7 reaches bit 31)
     words = torch.where(words >= 2**31, words - 2**32, words)  # as two's-complement int32
-    return words.reshape(N, chunks * WORDS).to(torch.int32)
+    return words.reshape(blocks * ROWS, N).to(torch.int32)
 
 
 def unpack_w4(qweight: torch.Tensor, K: int) -> torch.Tensor:
-    """`qweight` → q: (K, N) int32 in 0..15, in plain PyTorch: shift and mask each word's 8 nibbles, put them in input
-    order (a permute of the chunk's dims), drop the padding."""
-    N, words = qweight.shape
-    chunks = words // WORDS
+    """`qweight` → q: (K, N) int32 in 0..15, in plain PyTorch: shift, mask, reorder the planes, drop the padding."""
+    rows, N = qweight.shape
+    blocks = rows // ROWS
     shifts = 4 * torch.arange(NIBBLES, device=qweight.device, dtype=torch.int32)
-    q = (qweight.reshape(N, chunks, WORDS, 1) >> shifts) & 0xF  # (n, b, j, p)
-    q = q.reshape(N, chunks, 4, 4, 2, 2, 2).permute(0, *(1 + d for d in _TO_INPUTS))  # (n, b, u, i1, i0, c, e)
-    return q.reshape(N, chunks * CHUNK)[:, :K].t()
+    q = (qweight.reshape(blocks, 1, ROWS, N) >> shifts.view(1, NIBBLES, 1, 1)) & 0xF  # (blocks, 8, 16, N)
+    return q.reshape(blocks * BLOCK, N)[:K]
 
 
 def dequantize_w4(
@@ -161,7 +166,7 @@ def dequantize_w4(
     as a quantised Linear's forward writes it (each line a kernel and a K×N temporary on the GPU)."""
     group_size = check_group_size(group_size, K)
     per = min(group_size, K)
-    q = unpack_w4(qweight, K)  # shift, mask, reorder: read K·N/2, write int32 K×N temporaries
+    q = unpack_w4(qweight, K)  # shift: read K·N/2, write 4·K·N; mask: read and write 4·K·N; slice: a view
     z = zeros.repeat_interleave(per, dim=0)[:K]  # read G·N, write K·N
     s = scales.repeat_interleave(per, dim=0)[:K]  # read G·N·s, write K·N·s
     return (q.to(s.dtype) - z.to(s.dtype)) * s  # casts: read 4·K·N and K·N; sub, mul: read 2, write 1 K·N·s each
@@ -189,7 +194,7 @@ def quantize_w4(weight: torch.Tensor, group_size: int = 128, symmetric: bool = F
     Asymmetric (GPTQ's min/max rule): per group, lo = min(w, 0), hi = max(w, 0), scale = (hi − lo)/15, zero =
     round(−lo/scale), so 0 is exact and zero lies in 0..15. Symmetric: scale = 2·max|w|/15, zero = 8. The scale is
     rounded to its storage dtype before q = clamp(round(w/scale) + zero, 0, 15) is taken against it. A group of zeros
-    gets scale 1. group_size: a power of two ≥ 32, or -1 / ≥ K for one group per output channel."""
+    gets scale 1. group_size: a power of two ≥ 16, or -1 / ≥ K for one group per output channel."""
     if weight.dim() != 2 or not weight.is_floating_point():
         raise ValueError(f"weight must be a 2-D float (N, K) tensor, got {tuple(weight.shape)} {weight.dtype}")
     N, K = weight.shape
@@ -229,14 +234,13 @@ def from_gptq(
     g_idx: torch.Tensor | None = None,
     zero_offset: int = 1,
 ) -> PackedW4:
-    """A 4-bit GPTQ checkpoint's tensors → `PackedW4` (repacked once, here). qweight: int32 (K/8, N), input 8·i + j of
-    output n in nibble j of qweight[i, n]; qzeros: int32 (G, N/8), output 8·c + j's zero in nibble j of qzeros[g, c];
-    scales: (G, N).
+    """A 4-bit GPTQ checkpoint's tensors → `PackedW4`. qweight: int32 (K/8, N), input 8·i + j of output n in nibble j
+    of qweight[i, n]; qzeros: int32 (G, N/8), output 8·c + j's zero in nibble j of qzeros[g, c]; scales: (G, N).
 
     zero_offset: GPTQ's original format (AutoGPTQ, transformers' GPTQ checkpoints) stores zero − 1 and its kernels add
     1 back, modulo 16; `zero_offset=0` reads the later "gptq_v2" format, which stores the zero itself.
     g_idx: (K,) group of each input; only the plain order k // g is accepted. Act-order checkpoints (desc_act=True)
-    permute the groups along K, which this layout does not hold: ValueError. Group sizes below 32: ValueError."""
+    permute the groups along K, which this layout does not hold: ValueError."""
     if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32 or qweight.dim() != 2 or qzeros.dim() != 2:
         raise ValueError("from_gptq takes int32 qweight (K/8, N) and qzeros (G, N/8), as 4-bit GPTQ stores them")
     K, N = qweight.shape[0] * 8, qweight.shape[1]
@@ -244,7 +248,7 @@ def from_gptq(
     if scales.shape != (G, N) or qzeros.shape != (G, cdiv(N, 8)) or K % G:
         raise ValueError(f"GPTQ shapes disagree: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, "
                          f"scales {tuple(scales.shape)}")  # fmt: skip
-    group_size = check_group_size(K // G, K)
+    group_size = K // G
     if g_idx is not None:
         plain = torch.arange(K, device=g_idx.device) // group_size
         if g_idx.shape != (K,) or not torch.equal(g_idx.to(plain.dtype), plain):
@@ -254,16 +258,16 @@ def from_gptq(
             )
     q = _unpack_int32(qweight.t(), tuple(range(8))).t()  # (K, N)
     zeros = (_unpack_int32(qzeros, tuple(range(8)))[:, :N] + zero_offset) & 0xF
-    return PackedW4(pack_w4(q), scales, zeros.to(torch.uint8), group_size)
+    return PackedW4(pack_w4(q), scales, zeros.to(torch.uint8), check_group_size(group_size, K))
 
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ packs output 8·c + AWQ_ORDER[i] into nibble i of word c
 
 
 def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> PackedW4:
-    """A 4-bit AWQ (GEMM format) checkpoint's tensors → `PackedW4` (repacked once, here). qweight: int32 (K, N/8)
-    packed along the outputs, output 8·c + AWQ_ORDER[i] of input k in nibble i of qweight[k, c]; qzeros: int32
-    (G, N/8) packed the same way; scales: (G, N). The zeros are stored as they are (no offset)."""
+    """A 4-bit AWQ (GEMM format) checkpoint's tensors → `PackedW4`. qweight: int32 (K, N/8) packed along the outputs,
+    output 8·c + AWQ_ORDER[i] of input k in nibble i of qweight[k, c]; qzeros: int32 (G, N/8) packed the same way;
+    scales: (G, N). The zeros are stored as they are (no offset)."""
     if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32 or qweight.dim() != 2 or qzeros.dim() != 2:
         raise ValueError("from_awq takes int32 qweight (K, N/8) and qzeros (G, N/8), as 4-bit AWQ stores them")
     K, N = qweight.shape[0], scales.shape[1]
@@ -271,344 +275,444 @@ def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) 
     if qweight.shape[1] * 8 != N or qzeros.shape != (G, N // 8) or K % G:
         raise ValueError(f"AWQ shapes disagree: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, "
                          f"scales {tuple(scales.shape)}")  # fmt: skip
-    group_size = check_group_size(K // G, K)
     inverse = tuple(AWQ_ORDER.index(i) for i in range(8))  # nibble that holds output 8·c + i
     q = _unpack_int32(qweight, inverse)  # (K, N)
     zeros = _unpack_int32(qzeros, inverse)
-    return PackedW4(pack_w4(q), scales, zeros.to(torch.uint8), group_size)
+    return PackedW4(pack_w4(q), scales, zeros.to(torch.uint8), check_group_size(K // G, K))
 
 
-# ----------------------------------------------------------------------------------------------------------- kernel
-
-
-@triton.jit
-def _pair(p, WDT: tl.constexpr):
-    """(…) int32, two 16-bit values per word → (…, 2) in WDT: the low half-word, then the high one."""
-    lo = p.to(tl.int16).to(WDT, bitcast=True)
-    hi = (p >> 16).to(tl.int16).to(WDT, bitcast=True)
-    return tl.join(lo, hi)
+# ---------------------------------------------------------------------------------------------------------- kernels
 
 
 @triton.jit
-def _unpack(w, WDT: tl.constexpr, MAGIC: tl.constexpr, U: tl.constexpr):
-    """(BLOCK_N, 4·U·S) int32 words of one sub-step (column 4·U·s + U·c + u: chunk s, lane group c, word u) →
-    (BLOCK_N, 32·U·S) in WDT, each value BASE + q, in input order (32·u + 16·i1 + 8·i0 + 2·c + e within a chunk)."""
-    BN: tl.constexpr = w.shape[0]
-    S: tl.constexpr = w.shape[1] // (4 * U)
-    t0 = _pair((w & 0x000F000F) | MAGIC, WDT)  # nibbles 0 and 4: (i1, i0) = (0, 0), e = 0 and 1
-    t1 = _pair(((w >> 4) & 0x000F000F) | MAGIC, WDT)
-    t2 = _pair(((w >> 8) & 0x000F000F) | MAGIC, WDT)
-    t3 = _pair(((w >> 12) & 0x000F000F) | MAGIC, WDT)
-    v = tl.join(tl.join(t0, t1), tl.join(t2, t3))  # (n, word, e, i0, i1)
-    v = tl.reshape(v, (BN, S, 4, U, 2, 2, 2))  # (n, s, c, u, e, i0, i1)
-    v = tl.permute(v, (0, 1, 3, 6, 5, 2, 4))  # (n, s, u, i1, i0, c, e)
-    return tl.reshape(v, (BN, 32 * U * S))
+def _x_times(x_ptr, row, M, stride_xm, stride_xk, rk, k_end, w):
+    """x[row, rk] (masked to 0 past M and k_end) as fp32, times w (16, BLOCK_N) row by row: one FMA per weight."""
+    end = tl.where(row < M, k_end, 0)  # a row past M reads nothing
+    xj = tl.load(x_ptr + row.to(tl.int64) * stride_xm + rk * stride_xk, mask=rk < end, other=0.0)
+    return xj.to(tl.float32)[:, None] * w
 
 
 @triton.jit
-def _store_out(out_ptr, b_ptr, acc, rn, rm, M, N, stride_om, stride_on, stride_b, HAS_BIAS: tl.constexpr,
-               UPCAST: tl.constexpr):  # fmt: skip
-    """acc: (BLOCK_N, BLOCK_M) fp32, out[rm, rn] = acc (+ bias), rounded once to the output's dtype."""
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn * stride_b, mask=rn < N, other=0.0).to(tl.float32)[:, None]
-    if UPCAST:  # the interpreter truncates fp32 → bf16: round to nearest by hand (`rounding`)
-        acc = round_to(acc, out_ptr.dtype.element_ty)
-    mask = (rn < N)[:, None] & (rm < M)[None, :]
-    offsets = rm[None, :].to(tl.int64) * stride_om + rn[:, None] * stride_on
-    tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
+def _store_row(out_ptr, row, M, N, rn, stride_om, stride_on, acc, b_ptr, stride_b, HAS_BIAS: tl.constexpr,
+               UPCAST: tl.constexpr, PARTIAL: tl.constexpr):  # fmt: skip
+    """One row's (16, BLOCK_N) sums reduced over the slab rows and stored: as fp32 partial sums (PARTIAL), or + bias,
+    rounded once to the output's dtype."""
+    total = tl.sum(acc, axis=0)
+    end = tl.where(row < M, N, 0)  # a row past M writes nothing
+    offsets = row.to(tl.int64) * stride_om + rn * stride_on
+    if PARTIAL:
+        tl.store(out_ptr + offsets, total, mask=rn < end)
+    else:
+        if HAS_BIAS:
+            total += tl.load(b_ptr + rn * stride_b, mask=rn < N, other=0.0).to(tl.float32)
+        if UPCAST:  # the interpreter truncates fp32 → bf16: round to nearest by hand (`rounding`)
+            total = round_to(total, out_ptr.dtype.element_ty)
+        tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=rn < end)
 
 
 @triton.jit
-def _w4a16_kernel(
-    x_ptr,  # (M, K) activations; strides stride_xm, stride_xk
-    qw_ptr,  # (N, 16·⌈K/128⌉) int32 packed weights; strides stride_qn, stride_qw
-    s_ptr,  # (G, N) scales in x's dtype; strides stride_sg, stride_sn
-    z_ptr,  # (G, N) uint8 zero points; strides stride_zg, stride_zn
-    b_ptr,  # (N,) bias, stride stride_b; read only if HAS_BIAS
-    out_ptr,  # (M, N) output; strides stride_om, stride_on
-    ws_ptr,  # SPLIT: (splits, M, N) fp32 partial sums, contiguous; else unused
-    cnt_ptr,  # SPLIT: int32 counters, one per (row tile, column tile), 0 between calls; else unused
+def _gemv_block(
+    slab,  # (16, BLOCK_N) int32: block b of `qweight`, its 8 planes of 16 consecutive inputs
+    b,
+    x_ptr,
+    s_ptr,
+    z_ptr,
+    row0,
     M,
-    N,
     K,
+    k_end,
+    rn,
+    n_ok,
     stride_xm,
     stride_xk,
-    stride_qn,
-    stride_qw,
     stride_sg,
     stride_sn,
     stride_zg,
     stride_zn,
-    stride_b,
-    stride_om,
-    stride_on,
-    steps_per_split,  # loop steps (BLOCK_K inputs each) per split
-    GROUP: tl.constexpr,  # group size (a power of two ≥ 32); 0: one group per output channel
-    KC: tl.constexpr,  # inputs per sub-step: one dot, one Σx, one scaling; a power of two ≥ 32 dividing GROUP
-    CHUNKS: tl.constexpr,  # sub-steps per loop step
-    BASE: tl.constexpr,  # 128.0 (bf16) or 1024.0 (fp16): the value MAGIC's half-words stand for
-    MAGIC: tl.constexpr,
-    WDT: tl.constexpr,  # the weights' dtype in the dot: bf16, or fp16 for fp16 activations
-    HAS_BIAS: tl.constexpr,
-    SPLIT: tl.constexpr,  # more than one split of K: partial sums, the last split of a tile finishes
-    EVEN: tl.constexpr,  # N % BLOCK_N == 0, K % BLOCK_K == 0 and every split full: no masks on the weights or K
-    UPCAST: tl.constexpr,  # the interpreter: an fp32 IEEE dot on the same values (its 16-bit dot is not exact)
-    EXACT_ZERO: tl.constexpr,  # fp32 activations: subtract the zero from each weight, exact in fp32, no Σx
+    acc0,
+    acc1,
+    acc2,
+    acc3,
+    s,  # GROUP == 0: the scales of the one group, as fp32; otherwise unused (loaded here)
+    zf,  # GROUP == 0: the zeros, as fp32; otherwise unused
+    GROUP: tl.constexpr,
+    PLANES: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n_ok = rn < N
-    m_ok = rm < M
-    U: tl.constexpr = min(KC, 128) // 32  # words per lane group and chunk in a sub-step
-    WCOLS: tl.constexpr = KC // 8  # words per row in a sub-step
-    rj = tl.arange(0, WCOLS)
-    cols = (rj // (4 * U)) * 16 + ((rj // U) % 4) * 4 + rj % U  # sub-step column → word within its chunks
-    if U == 4:  # whole chunks: the words are contiguous, and Triton must see it to load 16 bytes at a time
-        cols = rj
-    w_rows = qw_ptr + rn[:, None].to(tl.int64) * stride_qn + cols[None, :] * stride_qw
-    rk = tl.arange(0, KC)
-    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :] * stride_xk
-    n_words = tl.cdiv(K, 128) * 16
-
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if GROUP == 0:  # one group: its scales and zeros once, for the whole of K
-        s = tl.load(s_ptr + rn * stride_sn, mask=n_ok, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + rn * stride_zn, mask=n_ok, other=0).to(tl.float32) + BASE
-    first = pid_k * steps_per_split
-    last = min(first + steps_per_split, tl.cdiv(K, KC * CHUNKS))
-    for step in tl.range(first, last, num_stages=STAGES):
-        for c in tl.static_range(CHUNKS):
-            k0 = (step * CHUNKS + c) * KC
-            word0 = (k0 // 128) * 16 + (k0 % 128) // 32
-            if EVEN:
-                w = tl.load(w_rows + word0 * stride_qw)
-                xk = tl.load(x_rows + k0 * stride_xk, mask=m_ok[:, None], other=0.0)
-            else:
-                w = tl.load(w_rows + word0 * stride_qw, mask=n_ok[:, None] & (word0 + cols < n_words)[None, :],
-                            other=0)  # fmt: skip
-                xk = tl.load(x_rows + k0 * stride_xk, mask=m_ok[:, None] & (k0 + rk < K)[None, :], other=0.0)
-            wt = _unpack(w, WDT, MAGIC, U)  # (BLOCK_N, KC): BASE + q
-            if GROUP != 0:
-                g = min(k0, K - 1) // GROUP
+    """Add one 128-block's products to the per-row (16, BLOCK_N) accumulators; returns them."""
+    rr = tl.arange(0, 16)
+    high = slab >> 16  # nibbles 4-7 at bits 0-15 (the sign bits above are masked off)
+    for j in tl.static_range(8):
+        k0 = b * 128 + 16 * j  # first input of this plane
+        if GROUP != 0:  # noqa: SIM102 (both tests are compile-time)
+            if j % PLANES == 0:  # a group starts here (or, for GROUP > 128, this block's part of one)
+                g = min(k0, K - 1) // GROUP  # a plane past K (x masked to 0 there) reads the last group
                 s = tl.load(s_ptr + g * stride_sg + rn * stride_sn, mask=n_ok, other=0.0).to(tl.float32)
-                z = tl.load(z_ptr + g * stride_zg + rn * stride_zn, mask=n_ok, other=0).to(tl.float32) + BASE
-            if EXACT_ZERO:  # fp32 activations: (BASE + q) − (BASE + zero) in fp32, exact, then an IEEE fp32 dot
-                part = tl.dot(wt.to(tl.float32) - z[:, None], tl.trans(xk.to(tl.float32)), input_precision="ieee")
-            elif UPCAST:  # the interpreter: its bf16/fp16 dot is not exact; the same values in fp32 are
-                part = tl.dot(wt.to(tl.float32), tl.trans(xk.to(tl.float32)), input_precision="ieee")
+                zf = tl.load(z_ptr + g * stride_zg + rn * stride_zn, mask=n_ok, other=0).to(tl.float32)
+        # The nibble at bits 4i..4i+3 of a word OR-ed with the exponent of 2**(23 - 4i) reads as the fp32
+        # 2**(23 - 4i) + q: its lowest bit is worth 1 there. Subtracting 2**(23 - 4i) + zero gives q − zero.
+        word = slab if j < 4 else high
+        bits = (word & (0xF << (4 * (j % 4)))) | ((150 - 4 * (j % 4)) << 23)
+        w = bits.to(tl.float32, bitcast=True) - (zf + (1 << (23 - 4 * (j % 4))))[None, :]  # q − zero, exact
+        rk = k0 + rr
+        p0 = _x_times(x_ptr, row0, M, stride_xm, stride_xk, rk, k_end, w)
+        if BLOCK_M > 1:
+            p1 = _x_times(x_ptr, row0 + 1, M, stride_xm, stride_xk, rk, k_end, w)
+        if BLOCK_M > 2:
+            p2 = _x_times(x_ptr, row0 + 2, M, stride_xm, stride_xk, rk, k_end, w)
+            p3 = _x_times(x_ptr, row0 + 3, M, stride_xm, stride_xk, rk, k_end, w)
+        if GROUP == 0:
+            acc0 += p0
+            if BLOCK_M > 1:
+                acc1 += p1
+            if BLOCK_M > 2:
+                acc2 += p2
+                acc3 += p3
+        else:
+            if j % PLANES == 0:
+                part0 = p0
+                if BLOCK_M > 1:
+                    part1 = p1
+                if BLOCK_M > 2:
+                    part2 = p2
+                    part3 = p3
             else:
-                part = tl.dot(wt, tl.trans(xk))
-            if not EXACT_ZERO:  # Σ x·(BASE + q) − (BASE + zero)·Σ x
-                part -= z[:, None] * tl.sum(xk.to(tl.float32), axis=1)[None, :]
-            if GROUP == 0:
-                acc += part
-            else:
-                acc += part * s[:, None]
-    if GROUP == 0:  # the one scale per column, applied once
-        acc = acc * s[:, None]
-
-    _finish(acc, rn, rm, M, N, out_ptr, b_ptr, ws_ptr, cnt_ptr, stride_om, stride_on, stride_b, HAS_BIAS, SPLIT,
-            UPCAST)  # fmt: skip
-
-
-@triton.jit
-def _finish(acc, rn, rm, M, N, out_ptr, b_ptr, ws_ptr, cnt_ptr, stride_om, stride_on, stride_b, HAS_BIAS: tl.constexpr,
-            SPLIT: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
-    """acc: (BLOCK_N, BLOCK_M) fp32 sums of this program's split of K. Unsplit: stored (+ bias), rounded once. Split:
-    stored to the workspace; the last split of the tile to arrive (an atomic counter per tile, which it resets) adds
-    the splits in split order (deterministic) and stores the output."""
-    if SPLIT:
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
-        pid_k = tl.program_id(2)
-        splits = tl.num_programs(2)
-        mn = M * N
-        tile = rm[None, :].to(tl.int64) * N + rn[:, None]
-        mask = (rn < N)[:, None] & (rm < M)[None, :]
-        tl.store(ws_ptr + pid_k.to(tl.int64) * mn + tile, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial sums stored before the release below
-        counter = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == splits - 1:  # the last split of this tile: sum all of them in split order
-            total = tl.zeros(acc.shape, dtype=tl.float32)
-            for other in range(0, splits):
-                total += tl.load(ws_ptr + other * mn + tile, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next call
-            _store_out(out_ptr, b_ptr, total, rn, rm, M, N, stride_om, stride_on, stride_b, HAS_BIAS, UPCAST)
-    else:
-        _store_out(out_ptr, b_ptr, acc, rn, rm, M, N, stride_om, stride_on, stride_b, HAS_BIAS, UPCAST)
-
-
-@triton.jit
-def _per_column(v, GROUP: tl.constexpr):
-    """A group's value as (BLOCK_N, 16) or (BLOCK_N, 1), broadcasting over a chunk's 16 word columns."""
-    if GROUP != 0 and GROUP < 128:
-        return v
-    else:
-        return v[:, None]
+                part0 += p0
+                if BLOCK_M > 1:
+                    part1 += p1
+                if BLOCK_M > 2:
+                    part2 += p2
+                    part3 += p3
+            if (j + 1) % PLANES == 0:  # the group (or this block's part of it) ends: scale once
+                acc0 += part0 * s[None, :]
+                if BLOCK_M > 1:
+                    acc1 += part1 * s[None, :]
+                if BLOCK_M > 2:
+                    acc2 += part2 * s[None, :]
+                    acc3 += part3 * s[None, :]
+    return acc0, acc1, acc2, acc3
 
 
 @triton.jit
 def _w4a16_gemv_kernel(
     x_ptr,  # (M, K) activations; strides stride_xm, stride_xk
-    qw_ptr,  # (N, 16·⌈K/128⌉) int32 packed weights; strides stride_qn, stride_qw
+    qw_ptr,  # (16·⌈K/128⌉, N) int32 packed weights; strides stride_qk, stride_qn
     s_ptr,  # (G, N) scales in x's dtype; strides stride_sg, stride_sn
     z_ptr,  # (G, N) uint8 zero points; strides stride_zg, stride_zn
-    b_ptr,  # (N,) bias, stride stride_b; read only if HAS_BIAS
-    out_ptr,  # (M, N) output; strides stride_om, stride_on
-    ws_ptr,  # SPLIT: (splits, M, N) fp32 partial sums, contiguous; else unused
-    cnt_ptr,  # SPLIT: int32 counters, one per (row tile, column tile), 0 between calls; else unused
+    b_ptr,  # (N,) bias, stride stride_b; read only if HAS_BIAS and not PARTIAL
+    out_ptr,  # (M, N) output; or with PARTIAL the (splits, M, N) fp32 workspace (stride_os between splits)
     M,
     N,
     K,
     stride_xm,
     stride_xk,
+    stride_qk,
     stride_qn,
-    stride_qw,
     stride_sg,
     stride_sn,
     stride_zg,
     stride_zn,
     stride_b,
+    stride_os,
     stride_om,
     stride_on,
-    steps_per_split,  # loop steps (CHUNKS chunks of 128 inputs each) per split
-    GROUP: tl.constexpr,  # group size (a power of two ≥ 32); 0: one group per output channel
-    CHUNKS: tl.constexpr,  # 128-input chunks per loop step
+    blocks_per_split,  # 128-input blocks of K each program along axis 1 handles (a multiple of SUBBLOCKS)
+    GROUP: tl.constexpr,  # group size (a power of two ≥ 16); 0: one group per output channel
+    PLANES: tl.constexpr,  # nibble planes (16 inputs each) per scale application: min(GROUP, 128) / 16
     HAS_BIAS: tl.constexpr,
-    SPLIT: tl.constexpr,
-    EVEN: tl.constexpr,  # N % BLOCK_N == 0, K % (128·CHUNKS) == 0 and every split full: no masks
-    UPCAST: tl.constexpr,  # the interpreter: round the output by hand
-    EXACT_ZERO: tl.constexpr,  # fp32 activations: subtract the zero from each weight (exact), no Σx cancellation
+    PARTIAL: tl.constexpr,  # write fp32 partial sums of one split (the sum kernel finishes)
+    UPCAST: tl.constexpr,  # interpreter: round the output to bf16 by hand
+    BLOCK_M: tl.constexpr,  # rows of x per program, 1, 2 or 4 (each weight dequantised once, used BLOCK_M times)
+    BLOCK_N: tl.constexpr,
+    SUBBLOCKS: tl.constexpr,  # 128-blocks per loop step: BLOCK_K / 128 (their loads issued together)
+    PREFETCH: tl.constexpr,  # load block b + 1 before working on block b (one block per step)
+):
+    # CUDA-core GEMV: the (16, BLOCK_N) int32 slab of a 128-block is 16 contiguous runs of 4·BLOCK_N bytes; each word
+    # gives 8 weights by one AND-OR each (no shift for nibbles 0-3, one shift of the word for 4-7), one fp32 subtract
+    # of the zero, and one FMA per row of x. The scale multiplies a group's fp32 sum once per group and column. Every
+    # tensor in the loop is (16, BLOCK_N) or a slice of it, in the slab's layout: no layout conversion, and the sum over
+    # the slab's 16 rows waits until the end (no shuffles in the loop). Rows of x are separate accumulators (a 3-D
+    # (rows, 16, BLOCK_N) product made Triton convert the slab's layout through shared memory at every plane).
+    # Triton does not pipeline loads that feed no dot (num_stages changes nothing here): the bytes in flight come from
+    # the resident programs, the SUBBLOCKS slabs a step loads together, and PREFETCH.
+    row0 = tl.program_id(2) * BLOCK_M
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rr = tl.arange(0, 16)
+    n_ok = rn < N
+    qw_cols = qw_ptr + rn[None, :] * stride_qn  # (1, BLOCK_N)
+
+    first = tl.program_id(1) * blocks_per_split
+    last = min(first + blocks_per_split, tl.cdiv(K, 128))
+    k_end = min(last * 128, K)  # this split's inputs end here
+    if GROUP == 0:  # one group: its scales and zeros once, for the whole of K
+        s = tl.load(s_ptr + rn * stride_sn, mask=n_ok, other=0.0).to(tl.float32)
+        zf = tl.load(z_ptr + rn * stride_zn, mask=n_ok, other=0).to(tl.float32)
+    else:  # loaded per group inside `_gemv_block`
+        s = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        zf = s
+    acc0 = tl.zeros((16, BLOCK_N), dtype=tl.float32)  # (row of the slab, column), one per row of x
+    acc1 = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    acc3 = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    if PREFETCH:
+        rows = first * 16 + rr
+        ahead = tl.load(qw_cols + rows[:, None].to(tl.int64) * stride_qk, mask=(rows < last * 16)[:, None] &
+                        n_ok[None, :], other=0)  # fmt: skip
+        for b in range(first, last):
+            slab = ahead
+            rows = (b + 1) * 16 + rr  # past the split's end: masked, no memory traffic
+            ahead = tl.load(qw_cols + rows[:, None].to(tl.int64) * stride_qk, mask=(rows < last * 16)[:, None] &
+                            n_ok[None, :], other=0)  # fmt: skip
+            acc0, acc1, acc2, acc3 = _gemv_block(slab, b, x_ptr, s_ptr, z_ptr, row0, M, K, k_end, rn, n_ok,
+                                                 stride_xm, stride_xk, stride_sg, stride_sn, stride_zg, stride_zn,
+                                                 acc0, acc1, acc2, acc3, s, zf, GROUP, PLANES, BLOCK_M)  # fmt: skip
+    else:
+        for step in range(first, last, SUBBLOCKS):
+            for c in tl.static_range(SUBBLOCKS):
+                b = step + c  # the last step of a split may hold fewer blocks than SUBBLOCKS: masked by `last`
+                rows = b * 16 + rr
+                slab = tl.load(
+                    qw_cols + rows[:, None].to(tl.int64) * stride_qk,
+                    mask=(rows < last * 16)[:, None] & n_ok[None, :],
+                    other=0,
+                )  # (16, BLOCK_N) int32: 8 planes of 16 consecutive inputs
+                acc0, acc1, acc2, acc3 = _gemv_block(slab, b, x_ptr, s_ptr, z_ptr, row0, M, K, k_end, rn, n_ok,
+                                                     stride_xm, stride_xk, stride_sg, stride_sn, stride_zg,
+                                                     stride_zn, acc0, acc1, acc2, acc3, s, zf, GROUP, PLANES,
+                                                     BLOCK_M)  # fmt: skip
+
+    if GROUP == 0:  # the one scale per column, applied once
+        acc0 = acc0 * s[None, :]
+        acc1 = acc1 * s[None, :]
+        acc2 = acc2 * s[None, :]
+        acc3 = acc3 * s[None, :]
+    if PARTIAL:  # fp32 partial sums of this split, rows row0.. of its (M, N) slice
+        out_ptr += tl.program_id(1).to(tl.int64) * stride_os
+    _store_row(out_ptr, row0, M, N, rn, stride_om, stride_on, acc0, b_ptr, stride_b, HAS_BIAS, UPCAST, PARTIAL)
+    if BLOCK_M > 1:
+        _store_row(out_ptr, row0 + 1, M, N, rn, stride_om, stride_on, acc1, b_ptr, stride_b, HAS_BIAS, UPCAST, PARTIAL)
+    if BLOCK_M > 2:
+        _store_row(out_ptr, row0 + 2, M, N, rn, stride_om, stride_on, acc2, b_ptr, stride_b, HAS_BIAS, UPCAST, PARTIAL)
+        _store_row(out_ptr, row0 + 3, M, N, rn, stride_om, stride_on, acc3, b_ptr, stride_b, HAS_BIAS, UPCAST, PARTIAL)
+
+
+@triton.jit
+def _w4a16_mma_kernel(
+    x_ptr,  # (M, K) activations; strides stride_xm, stride_xk
+    qw_ptr,  # (16·⌈K/128⌉, N) int32 packed weights; strides stride_qk, stride_qn
+    s_ptr,  # (G, N) scales in x's dtype; strides stride_sg, stride_sn
+    z_ptr,  # (G, N) uint8 zero points; strides stride_zg, stride_zn
+    b_ptr,  # (N,) bias, stride stride_b; read only if HAS_BIAS and not PARTIAL
+    out_ptr,  # (M, N) output; or with PARTIAL the (splits, M, N) fp32 workspace (stride_os between splits)
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_qk,
+    stride_qn,
+    stride_sg,
+    stride_sn,
+    stride_zg,
+    stride_zn,
+    stride_b,
+    stride_os,
+    stride_om,
+    stride_on,
+    blocks_per_split,  # 128-input blocks of K each program along axis 1 handles (a multiple of SUBBLOCKS)
+    GROUP: tl.constexpr,  # group size (a power of two ≥ 16); 0: one group per output channel
+    GROUPS_PER_BLOCK: tl.constexpr,  # 128 / GROUP for GROUP < 128, else 1
+    HAS_BIAS: tl.constexpr,
+    PARTIAL: tl.constexpr,  # write fp32 partial sums of one split (the sum kernel finishes)
+    UPCAST: tl.constexpr,  # interpreter: feed tl.dot fp32 tiles (its bf16 dot is wrong)
+    PRECISION: tl.constexpr,  # "ieee" for fp32 activations, else unused ("tf32")
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
+    SUBBLOCKS: tl.constexpr,  # 128-blocks per loop step: BLOCK_K / 128
+    GROUP_M: tl.constexpr,
+    TILE: tl.constexpr,  # True: one (BLOCK_M, BLOCK_K) × (BLOCK_K, BLOCK_N) dot per step; False: 8 per block, K = 16
 ):
-    """The decode path (M ≤ 16) on the CUDA cores: no layout conversion, no shared memory between the load and the
-    math. A program holds a (BLOCK_N, 16)-word tile of a chunk (16 bytes per lane and row) and keeps its sums per
-    word column, (BLOCK_M, BLOCK_N, 16) in fp32, reducing across the columns once at the end. Per word: four
-    SHF + LOP3 make four bf16 pairs 128 + q (`0x43004300`, whatever x's dtype), each half widened to fp32 by one
-    shift or AND; the matching x values are gathered once per chunk and shared by every output of the program."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n_ok = rn < N
-    m_ok = rm < M
-    rj = tl.arange(0, 16)
-    k_of_word = 32 * (rj % 4) + 2 * (rj // 4)  # input of nibble 0 of word j within its chunk (CHUNK_ORDER[j][0])
-    w_rows = qw_ptr + rn[:, None].to(tl.int64) * stride_qn + rj[None, :] * stride_qw
-    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
-    n_words = tl.cdiv(K, 128) * 16
+    # Grouped tile order (triton tutorial 03): GROUP_M row tiles share a column tile's weights while they are in L2.
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * tiles_n)
+    first_m = group * GROUP_M
+    group_size_m = min(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_size_m)
+    pid_n = (pid % (GROUP_M * tiles_n)) // group_size_m
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N, 16), dtype=tl.float32)
-    if GROUP == 0:
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rr = tl.arange(0, 16)
+    m_ok = rm < M
+    n_ok = rn < N
+    dtype = x_ptr.dtype.element_ty
+    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm  # (BLOCK_M, 1)
+    qw_cols = qw_ptr + rn[None, :] * stride_qn  # (1, BLOCK_N)
+
+    first = tl.program_id(1) * blocks_per_split
+    last = min(first + blocks_per_split, tl.cdiv(K, 128))
+    k_end = min(last * 128, K)  # this split's inputs end here
+    if GROUP == 0:  # one group: its scales and zeros once, for the whole of K
         s = tl.load(s_ptr + rn * stride_sn, mask=n_ok, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + rn * stride_zn, mask=n_ok, other=0).to(tl.float32) + 128.0
-    first = pid_k * steps_per_split
-    last = min(first + steps_per_split, tl.cdiv(K, 128 * CHUNKS))
-    for step in tl.range(first, last, num_stages=STAGES):
-        for c in tl.static_range(CHUNKS):
-            chunk = step * CHUNKS + c
-            k_word = chunk * 128 + k_of_word  # (16,)
-            if EVEN:
-                w = tl.load(w_rows + chunk * 16 * stride_qw)
-            else:
-                w = tl.load(w_rows + chunk * 16 * stride_qw, mask=n_ok[:, None] & (chunk * 16 + rj < n_words)[None, :],
-                            other=0)  # fmt: skip
-            part = tl.zeros((BLOCK_M, BLOCK_N, 16), dtype=tl.float32)
-            x_sum = tl.zeros((BLOCK_M, 16), dtype=tl.float32)
-            if GROUP != 0:
-                if GROUP < 128:  # a word's 32 inputs share a group; the 4 words of a lane group do not
-                    g = (chunk * 128 + 32 * (rj % 4)) // GROUP
-                    s_at = s_ptr + g[None, :] * stride_sg + rn[:, None] * stride_sn
-                    z_at = z_ptr + g[None, :] * stride_zg + rn[:, None] * stride_zn
-                    ok = n_ok[:, None] & (chunk * 128 + 32 * (rj % 4) < K)[None, :]  # past K: no group
-                    s = tl.load(s_at, mask=ok, other=0.0).to(tl.float32)  # (BLOCK_N, 16)
-                    z = tl.load(z_at, mask=ok, other=0).to(tl.float32) + 128.0
-                else:
-                    g = chunk * 128 // GROUP
-                    s = tl.load(s_ptr + g * stride_sg + rn * stride_sn, mask=n_ok, other=0.0).to(tl.float32)
-                    z = tl.load(z_ptr + g * stride_zg + rn * stride_zn, mask=n_ok, other=0).to(tl.float32) + 128.0
-            for i in tl.static_range(4):
-                pair = ((w >> (4 * i)) & 0x000F000F) | 0x43004300  # nibbles i and i + 4: bf16 128 + q each
-                lo = (pair << 16).to(tl.float32, bitcast=True)
-                hi = (pair & -65536).to(tl.float32, bitcast=True)  # 0xFFFF0000
-                if EXACT_ZERO:
-                    lo = lo - _per_column(z, GROUP)
-                    hi = hi - _per_column(z, GROUP)
-                k_lo = k_word + 16 * (i // 2) + 8 * (i % 2)  # nibble p = i: e = 0, i1 = i // 2, i0 = i % 2
-                if EVEN:
-                    x_lo = tl.load(x_rows + k_lo[None, :] * stride_xk, mask=m_ok[:, None], other=0.0)
-                    x_hi = tl.load(x_rows + (k_lo + 1)[None, :] * stride_xk, mask=m_ok[:, None], other=0.0)
-                else:
-                    x_lo = tl.load(x_rows + k_lo[None, :] * stride_xk, mask=m_ok[:, None] & (k_lo < K)[None, :],
-                                   other=0.0)  # fmt: skip
-                    x_hi = tl.load(x_rows + (k_lo + 1)[None, :] * stride_xk,
-                                   mask=m_ok[:, None] & (k_lo + 1 < K)[None, :], other=0.0)  # fmt: skip
-                x_lo = x_lo.to(tl.float32)
-                x_hi = x_hi.to(tl.float32)
-                part += lo[None, :, :] * x_lo[:, None, :]  # two statements: two FFMA, not FMUL + FFMA + FADD
-                part += hi[None, :, :] * x_hi[:, None, :]
-                if not EXACT_ZERO:
-                    x_sum += x_lo + x_hi
-            if not EXACT_ZERO:  # Σ x·(128 + q) − (128 + zero)·Σ x, per word column
-                part -= _per_column(z, GROUP)[None, :, :] * x_sum[:, None, :]
+        zf = tl.load(z_ptr + rn * stride_zn, mask=n_ok, other=0).to(tl.float32) + 8388608.0
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if TILE:
+        # The whole (16·SUBBLOCKS, BLOCK_N) slab unpacked at once: viewed as (blocks, 1, 16 rows, columns) and shifted
+        # by the 8 nibble offsets, element [c, j, r, n] is input 128·(step + c) + 16·j + r, so the (blocks, 8, 16)
+        # dims merge into BLOCK_K inputs in their natural order: one dot with K = BLOCK_K against a contiguous x tile.
+        # (The sm_90 PTX of this tile: both loads by cp.async through num_stages buffers, no layout conversion in the
+        # loop, one wgmma per step; but each thread holds one column's consecutive inputs, and the operand's shared
+        # layout is N-major, so storing the dequantised tile takes one 2-byte store per weight. Transposing the
+        # unpack did not change that.)
+        shifts = (4 * tl.arange(0, 8))[None, :, None, None]
+        rs = tl.arange(0, 16 * SUBBLOCKS)
+        rk_tile = tl.arange(0, 128 * SUBBLOCKS)
+        for step in range(first, last, SUBBLOCKS):
+            rows = step * 16 + rs
+            slab = tl.load(
+                qw_cols + rows[:, None].to(tl.int64) * stride_qk,
+                mask=(rows < last * 16)[:, None] & n_ok[None, :],
+                other=0,
+            )  # (16·SUBBLOCKS, BLOCK_N) int32
+            q = (tl.reshape(slab, (SUBBLOCKS, 1, 16, BLOCK_N)) >> shifts) & 0xF  # (SUBBLOCKS, 8, 16, BLOCK_N)
+            f = (q | 0x4B000000).to(tl.float32, bitcast=True)  # 2**23 + q
+            f = tl.reshape(f, (SUBBLOCKS, GROUPS_PER_BLOCK, 8 // GROUPS_PER_BLOCK, 16, BLOCK_N))
             if GROUP == 0:
-                acc += part
+                w = (f - zf[None, None, None, None, :]) * s[None, None, None, None, :]
             else:
-                acc += part * _per_column(s, GROUP)[None, :, :]
-    sums = tl.sum(acc, axis=2)  # (BLOCK_M, BLOCK_N)
-    if GROUP == 0:
-        sums = sums * s[None, :]
-    _finish(tl.trans(sums), rn, rm, M, N, out_ptr, b_ptr, ws_ptr, cnt_ptr, stride_om, stride_on, stride_b, HAS_BIAS,
-            SPLIT, UPCAST)  # fmt: skip
+                if GROUP < 128:  # GROUPS_PER_BLOCK groups in each block
+                    g = step * GROUPS_PER_BLOCK + tl.arange(0, SUBBLOCKS * GROUPS_PER_BLOCK)
+                else:  # each block inside one group
+                    g = ((step + tl.arange(0, SUBBLOCKS)) * 128) // GROUP
+                g = tl.minimum(g, (K - 1) // GROUP)  # blocks past K (x masked to 0 there) read the last group
+                sg = tl.load(s_ptr + g[:, None] * stride_sg + rn[None, :] * stride_sn, mask=n_ok[None, :], other=0.0)
+                zg = tl.load(z_ptr + g[:, None] * stride_zg + rn[None, :] * stride_zn, mask=n_ok[None, :], other=0)
+                sg = tl.reshape(sg.to(tl.float32), (SUBBLOCKS, GROUPS_PER_BLOCK, 1, 1, BLOCK_N))
+                zg = tl.reshape(zg.to(tl.float32) + 8388608.0, (SUBBLOCKS, GROUPS_PER_BLOCK, 1, 1, BLOCK_N))
+                w = (f - zg) * sg  # exact (q − zero) · scale
+            w = tl.reshape(w, (128 * SUBBLOCKS, BLOCK_N))
+            rk = step * 128 + rk_tile
+            xt = tl.load(x_rows + rk[None, :] * stride_xk, mask=m_ok[:, None] & (rk < k_end)[None, :], other=0.0)
+            if UPCAST:
+                acc = tl.dot(xt.to(tl.float32), round_to(w, dtype), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xt, w.to(dtype), acc, input_precision=PRECISION)
+    else:
+        for step in range(first, last, SUBBLOCKS):
+            for c in tl.static_range(SUBBLOCKS):
+                b = step + c  # the last step of a split may hold fewer blocks than SUBBLOCKS: masked by `last`
+                rows = b * 16 + rr
+                slab = tl.load(
+                    qw_cols + rows[:, None].to(tl.int64) * stride_qk,
+                    mask=(rows < last * 16)[:, None] & n_ok[None, :],
+                    other=0,
+                )  # (16, BLOCK_N) int32: 8 planes of 16 consecutive inputs
+                for j in tl.static_range(8):
+                    k0 = b * 128 + 16 * j  # first input of this plane
+                    # nested, not `and`: both tests are compile-time, and the second divides by GROUP
+                    if GROUP != 0:  # noqa: SIM102
+                        if (16 * j) % GROUP == 0:  # a group starts here (GROUP ≥ 128: only at j = 0)
+                            g = min(k0, K - 1) // GROUP  # a plane past K (x masked to 0 there) reads the last group
+                            s = tl.load(s_ptr + g * stride_sg + rn * stride_sn, mask=n_ok, other=0.0).to(tl.float32)
+                            zf = tl.load(z_ptr + g * stride_zg + rn * stride_zn, mask=n_ok, other=0).to(tl.float32)
+                            zf = zf + 8388608.0
+                    bits = ((slab >> (4 * j)) & 0xF) | 0x4B000000  # the fp32 2**23 + q
+                    w = (bits.to(tl.float32, bitcast=True) - zf[None, :]) * s[None, :]  # exact (q − zero) · scale
+                    rk = k0 + rr
+                    xj = tl.load(
+                        x_rows + rk[None, :] * stride_xk, mask=m_ok[:, None] & (rk < k_end)[None, :], other=0.0
+                    )
+                    if UPCAST:
+                        acc = tl.dot(xj.to(tl.float32), round_to(w, dtype), acc, input_precision="ieee")
+                    else:
+                        acc = tl.dot(xj, w.to(dtype), acc, input_precision=PRECISION)
+
+    out_mask = m_ok[:, None] & n_ok[None, :]
+    offsets = rm[:, None].to(tl.int64) * stride_om + rn[None, :] * stride_on
+    if PARTIAL:
+        tl.store(out_ptr + tl.program_id(1).to(tl.int64) * stride_os + offsets, acc, mask=out_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn * stride_b, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if UPCAST:  # the interpreter truncates fp32 → bf16: round to nearest by hand (`rounding`)
+            acc = round_to(acc, out_ptr.dtype.element_ty)
+        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _split_sum_kernel(
+    ws_ptr,  # (SPLITS, M, N) fp32 partial sums, contiguous
+    b_ptr,  # (N,) bias, stride stride_b; read only if HAS_BIAS
+    out_ptr,  # (M, N) output; strides stride_om, stride_on
+    M,
+    N,
+    stride_b,
+    stride_om,
+    stride_on,
+    SPLITS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr,  # interpreter: round to nearest by hand
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < M * N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for split in tl.static_range(SPLITS):  # a fixed order: the same sum every call
+        acc += tl.load(ws_ptr + split * M * N + offs, mask=ok, other=0.0)
+    m = offs // N
+    n = offs % N
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n * stride_b, mask=ok, other=0.0).to(tl.float32)
+    if UPCAST:
+        acc = round_to(acc, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + m * stride_om + n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 # --------------------------------------------------------------------------------------------------------- schedule
 
 # Tiles by the number of rows M: (largest M, config); the first entry whose bound M does not exceed applies. Keys:
-# - BLOCK_M: rows of x per program (the dot's N: 8 or 16 at decode, padded rows read as 0); BLOCK_N: outputs per
-#   program (the dot's M; 64 per 4 warps); BLOCK_K: inputs per loop step, a multiple of KC; KC: inputs per sub-step
-#   (one dot and one scaling; min(KC, group size) is used); SPLIT_K: 0 picks the split by `FILL`, n ≥ 1 asks for n
-#   (at most the steps; the last split shorter where n does not divide them); num_warps, num_stages: Triton's.
-# First choices from the sm_90 instruction counts in the docstring; `reports/w4a16/gpu_w4a16.py` times them.
+# - KERNEL: "gemv" (CUDA-core FMA, `_w4a16_gemv_kernel`) or "mma" (tensor cores, `_w4a16_mma_kernel`).
+# - BLOCK_M: rows per program (gemv: at most, the schedule takes min(BLOCK_M, next power of two ≥ M)); BLOCK_N:
+#   columns per program; BLOCK_K: inputs per loop step, a multiple of 128 (one block of `qweight`).
+# - SPLIT_K: 0 picks the split by `FILL`, n ≥ 1 forces n (capped by the loop steps along K); splits > 1 write fp32
+#   partial sums that a second launch adds in a fixed order.
+# - UNPACK (mma): "tile", one dot with K = BLOCK_K per step; "planes", 8 dots with K = 16 per 128-block (the schedule
+#   measured on the H200 on 2026-12-01). GROUP_M (mma): grouped tile order. num_warps, num_stages: Triton's.
+# gemv, decode and large are the best of `reports/w4a16/gpu_w4a16.py sweep` on the H200 (2026-12-02; small is a first
+# choice, unmeasured). SHIPPED_BEFORE is the schedule measured on 2026-12-01, kept as the sweep's
+# baseline and as a setting (`TILES.update(SHIPPED_BEFORE)` restores it).
 TILES = Tunables(
-    gemv1=(1, {"GEMV": 1, "BLOCK_M": 1, "BLOCK_N": 256, "BLOCK_K": 128, "KC": 128, "SPLIT_K": 0, "num_warps": 8,
-               "num_stages": 2}),
-    gemv2=(2, {"GEMV": 1, "BLOCK_M": 2, "BLOCK_N": 256, "BLOCK_K": 128, "KC": 128, "SPLIT_K": 0, "num_warps": 8,
-               "num_stages": 2}),
-    gemv4=(4, {"GEMV": 1, "BLOCK_M": 4, "BLOCK_N": 64, "BLOCK_K": 256, "KC": 128, "SPLIT_K": 0, "num_warps": 4,
-               "num_stages": 2}),
-    decode8=(8, {"BLOCK_M": 8, "BLOCK_N": 128, "BLOCK_K": 256, "KC": 128, "SPLIT_K": 0, "num_warps": 4,
-                 "num_stages": 3}),
-    decode16=(16, {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 256, "KC": 128, "SPLIT_K": 0, "num_warps": 4,
-                   "num_stages": 3}),
-    small=(64, {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "KC": 128, "SPLIT_K": 0, "num_warps": 4,
-                "num_stages": 3}),
-    large=(None, {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "KC": 128, "SPLIT_K": 1, "num_warps": 8,
-                  "num_stages": 3}),
+    gemv=(1, {"KERNEL": "gemv", "BLOCK_M": 1, "BLOCK_N": 128, "BLOCK_K": 256, "SPLIT_K": 0, "num_warps": 4,
+              "num_stages": 1, "PREFETCH": False}),
+    decode=(16, {"KERNEL": "mma", "UNPACK": "tile", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 0,
+                 "GROUP_M": 1, "num_warps": 4, "num_stages": 3}),
+    small=(256, {"KERNEL": "mma", "UNPACK": "tile", "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1,
+                 "GROUP_M": 8, "num_warps": 8, "num_stages": 3}),
+    large=(None, {"KERNEL": "mma", "UNPACK": "tile", "BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1,
+                  "GROUP_M": 8, "num_warps": 8, "num_stages": 2}),
 )  # fmt: skip
-# SPLIT_K = 0: the smallest split dividing the steps that gives at least programs_per_sm programs per SM, at most
-# max_split, keeping min_steps loop steps per split (the pipeline needs a few to overlap loads with work).
-FILL = Tunables(programs_per_sm=1, max_split=32, min_steps=2)
-# The CUDA-core decode kernel keeps few bytes in flight per program: more programs per SM hide the loads' latency.
-FILL_GEMV = Tunables(programs_per_sm=4, max_split=32, min_steps=1)
+SHIPPED_BEFORE = {
+    "gemv": (0, {"KERNEL": "gemv", "BLOCK_M": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 0, "num_warps": 4,
+                 "num_stages": 1}),  # bound 0: never chosen
+    "decode": (16, {"KERNEL": "mma", "UNPACK": "planes", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 0,
+                    "GROUP_M": 1, "num_warps": 4, "num_stages": 3}),
+    "small": (256, {"KERNEL": "mma", "UNPACK": "planes", "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1,
+                    "GROUP_M": 8, "num_warps": 4, "num_stages": 3}),
+    "large": (None, {"KERNEL": "mma", "UNPACK": "planes", "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128,
+                     "SPLIT_K": 1, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}),
+}  # fmt: skip
+# SPLIT_K = 0: the smallest power-of-two split giving at least programs_per_sm programs per SM, at most max_split.
+FILL = Tunables(programs_per_sm=2, max_split=32)
 # Under the Triton interpreter (CPU tensors) a program costs per operation, not per element, so tiles there are as
-# wide as numpy handles well. The sub-step structure along K is the GPU's.
-INTERPRETER = Tunables(enabled=True, BLOCK_M=64, BLOCK_N=1024)
-COUNTERS = 1 << 16  # split-K tile counters per device (256 KiB): a call needing more runs unsplit
-_counters: dict[torch.device, torch.Tensor] = {}  # allocated once per device and never freed (graphs hold them)
+# wide as numpy handles well: one SmolLM2-135M projection (16 × 576 → 1536, bf16) took 3.9 s with the decode tiles
+# and 0.2 s with 2048 columns (2-core CPU, 2026-12-02). The block schedule along K is the GPU's.
+INTERPRETER = Tunables(enabled=True, BLOCK_M=64, BLOCK_N=2048)
+SUM_BLOCK = 1024  # elements per program of the split sum
 
 
-def tiles_for(M: int) -> dict[str, int]:
+def tiles_for(M: int) -> dict[str, int | str]:
     """The tile configuration of `TILES` for M rows."""
     for bound, config in TILES.values():
         if bound is None or bound >= M:
@@ -617,55 +721,36 @@ def tiles_for(M: int) -> dict[str, int]:
 
 
 class Schedule(NamedTuple):
-    """How one call is launched: the tiles (with KC and CHUNKS as used), the splits of K, loop steps per split, and
-    whether every tile and split is full (no masks)."""
+    """How one call is launched: the tiles, how many splits of K, and the 128-blocks each split handles."""
 
-    tiles: dict[str, int]
+    tiles: dict[str, int | str]
     splits: int
-    steps_per_split: int
-    even: bool
+    blocks_per_split: int
 
 
-def schedule(M: int, N: int, K: int, device: torch.device, group_size: int = 128, split_ok: bool = True) -> Schedule:
-    """The launch of an (M, K) × (K, N) call at this group size: a function of the shape, the group size and the
-    device only (the public function allocates the split-K workspace from it, the launcher launches from it).
-    split_ok=False: no counters on this device yet (a CUDA graph capture before any eager call), unsplit."""
-    tiles = dict(tiles_for(M))
+def schedule(M: int, N: int, K: int, device: torch.device) -> Schedule:
+    """The launch of an (M, K) × (K, N) call: a function of the shape and the device only (the public function
+    allocates the split-K workspace from it, the launcher launches from it)."""
+    tiles = tiles_for(M)
+    if tiles.get("KERNEL", "mma") == "gemv":  # no padded rows: M = 1 runs one row per program
+        if tiles["BLOCK_M"] not in (1, 2, 4):
+            raise ValueError(f"the gemv kernel takes BLOCK_M 1, 2 or 4 rows per program, got {tiles['BLOCK_M']}")
+        tiles = dict(tiles, BLOCK_M=min(int(tiles["BLOCK_M"]), pow2(M)))
     if device.type != "cuda" and INTERPRETER["enabled"]:
-        tiles["BLOCK_M"] = max(tiles["BLOCK_M"], min(pow2(M), INTERPRETER["BLOCK_M"]))
-        tiles["BLOCK_N"] = max(tiles["BLOCK_N"], min(pow2(N), INTERPRETER["BLOCK_N"]))
-    group = 0 if group_count(K, group_size) == 1 else group_size
-    gemv = bool(tiles.get("GEMV"))
-    kc = CHUNK if gemv else min(int(tiles["KC"]), group) if group else int(tiles["KC"])
-    block_k = max(int(tiles["BLOCK_K"]), kc)
-    tiles.update(KC=kc, BLOCK_K=block_k, CHUNKS=block_k // kc)
-    steps = cdiv(K, block_k)
-    tiles_mn = cdiv(M, tiles["BLOCK_M"]) * cdiv(N, tiles["BLOCK_N"])
-    fill = FILL_GEMV if gemv else FILL
-    divisors = [d for d in range(1, min(steps, fill["max_split"]) + 1) if steps % d == 0]
-    want = int(tiles["SPLIT_K"])
-    if not split_ok or tiles_mn > COUNTERS:
+        if tiles.get("KERNEL", "mma") != "gemv":
+            tiles = dict(tiles, BLOCK_M=max(tiles["BLOCK_M"], min(pow2(M), INTERPRETER["BLOCK_M"])))
+        tiles = dict(tiles, BLOCK_N=max(tiles["BLOCK_N"], min(pow2(N), INTERPRETER["BLOCK_N"])))
+    sub = int(tiles["BLOCK_K"]) // BLOCK
+    steps = cdiv(cdiv(K, BLOCK), sub)  # loop steps over all of K
+    split = int(tiles["SPLIT_K"])
+    if split <= 0:
+        programs = cdiv(M, tiles["BLOCK_M"]) * cdiv(N, tiles["BLOCK_N"])
+        target = FILL["programs_per_sm"] * (sm_count(device.index or 0) if device.type == "cuda" else 1)
         split = 1
-    elif want <= 0:
-        target = fill["programs_per_sm"] * (sm_count(device.index or 0) if device.type == "cuda" else 1)
-        fits = [d for d in divisors if steps // d >= fill["min_steps"]] or [1]
-        split = next((d for d in fits if tiles_mn * d >= target), fits[-1])
-    else:
-        split = min(want, steps)
-    per = cdiv(steps, split)
-    split = cdiv(steps, per)  # no empty split
-    even = N % tiles["BLOCK_N"] == 0 and K % block_k == 0 and steps % per == 0
-    return Schedule(tiles, split, per, even)
-
-
-def counters(device: torch.device) -> torch.Tensor | None:
-    """This device's split-K counters (zeroed once, reset by the kernel after each use); allocated on first use
-    outside a CUDA graph capture, None inside one until then."""
-    if device not in _counters:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        _counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-    return _counters[device]
+        while programs * split < target and split * 2 <= min(steps, FILL["max_split"]):
+            split *= 2
+    per_split = cdiv(steps, min(split, steps))  # steps per split
+    return Schedule(tiles, cdiv(steps, per_split), per_split * sub)
 
 
 def _launch(
@@ -677,32 +762,22 @@ def _launch(
     bias: torch.Tensor | None,
     out: torch.Tensor,
     workspace: torch.Tensor | None,
-    tile_counters: torch.Tensor | None,
 ) -> None:
     M, K = x.shape
-    N = qweight.shape[0]
-    plan = schedule(M, N, K, x.device, group_size, split_ok=workspace is not None or tile_counters is not None)
+    N = qweight.shape[1]
+    plan = schedule(M, N, K, x.device)
     tiles = plan.tiles
-    split = workspace is not None
-    if split != (plan.splits > 1):
-        raise ValueError(f"the workspace ({None if workspace is None else tuple(workspace.shape)}) does not match "
-                         f"the schedule's {plan.splits} splits")  # fmt: skip
+    partial = workspace is not None
+    target = workspace if partial else out
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    wdt = torch.float16 if x.dtype == torch.float16 else torch.bfloat16
-    magic, base = MAGIC[wdt]
-    grid = (cdiv(N, tiles["BLOCK_N"]), cdiv(M, tiles["BLOCK_M"]), plan.splits)
-    if tiles.get("GEMV"):
-        _launch_gemv(grid, plan, x, qweight, scales, zeros, group_size, bias, out, workspace, tile_counters)
-        return
-    launchable(_w4a16_kernel)[grid](
+    group = 0 if group_count(K, group_size) == 1 else group_size
+    args = (
         x,
         qweight,
         scales,
         zeros,
         bias if bias is not None else scales,
-        out,
-        workspace if split else out,
-        tile_counters if split else out,
+        target,
         M,
         N,
         K,
@@ -715,79 +790,61 @@ def _launch(
         zeros.stride(0),
         zeros.stride(1),
         bias.stride(0) if bias is not None else 0,
-        out.stride(0),
-        out.stride(1),
-        plan.steps_per_split,
-        GROUP=0 if group_count(K, group_size) == 1 else group_size,
-        KC=tiles["KC"],
-        CHUNKS=tiles["CHUNKS"],
-        BASE=base,
-        MAGIC=magic,
-        WDT=tl.float16 if wdt == torch.float16 else tl.bfloat16,
-        HAS_BIAS=bias is not None,
-        SPLIT=split,
-        EVEN=plan.even,
-        UPCAST=interpreted,
-        EXACT_ZERO=x.dtype == torch.float32,
-        BLOCK_M=tiles["BLOCK_M"],
-        BLOCK_N=tiles["BLOCK_N"],
-        STAGES=tiles["num_stages"],
-        num_warps=tiles["num_warps"],
+        target.stride(0) if partial else 0,
+        target.stride(-2),
+        target.stride(-1),
+        plan.blocks_per_split,
     )
-
-
-def _launch_gemv(
-    grid: tuple[int, int, int],
-    plan: Schedule,
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor,
-    group_size: int,
-    bias: torch.Tensor | None,
-    out: torch.Tensor,
-    workspace: torch.Tensor | None,
-    tile_counters: torch.Tensor | None,
-) -> None:
-    M, K = x.shape
-    split = workspace is not None
-    tiles = plan.tiles
-    launchable(_w4a16_gemv_kernel)[grid](
-        x,
-        qweight,
-        scales,
-        zeros,
-        bias if bias is not None else scales,
-        out,
-        workspace if split else out,
-        tile_counters if split else out,
-        M,
-        qweight.shape[0],
-        K,
-        x.stride(0),
-        x.stride(1),
-        qweight.stride(0),
-        qweight.stride(1),
-        scales.stride(0),
-        scales.stride(1),
-        zeros.stride(0),
-        zeros.stride(1),
-        bias.stride(0) if bias is not None else 0,
-        out.stride(0),
-        out.stride(1),
-        plan.steps_per_split,
-        GROUP=0 if group_count(K, group_size) == 1 else group_size,
-        CHUNKS=tiles["CHUNKS"],
-        HAS_BIAS=bias is not None,
-        SPLIT=split,
-        EVEN=plan.even,
-        UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
-        EXACT_ZERO=x.dtype == torch.float32,
-        BLOCK_M=tiles["BLOCK_M"],
-        BLOCK_N=tiles["BLOCK_N"],
-        STAGES=tiles["num_stages"],
-        num_warps=tiles["num_warps"],
-    )
+    if tiles.get("KERNEL", "mma") == "gemv":
+        grid = (cdiv(N, tiles["BLOCK_N"]), plan.splits, cdiv(M, tiles["BLOCK_M"]))
+        launchable(_w4a16_gemv_kernel)[grid](
+            *args,
+            GROUP=group,
+            PLANES=min(group, BLOCK) // 16 if group else NIBBLES,
+            HAS_BIAS=bias is not None,
+            PARTIAL=partial,
+            UPCAST=interpreted,
+            BLOCK_M=tiles["BLOCK_M"],
+            BLOCK_N=tiles["BLOCK_N"],
+            SUBBLOCKS=tiles["BLOCK_K"] // BLOCK,
+            PREFETCH=bool(tiles.get("PREFETCH", False)),
+            num_warps=tiles["num_warps"],
+            num_stages=tiles["num_stages"],
+        )
+    else:
+        grid = (cdiv(M, tiles["BLOCK_M"]) * cdiv(N, tiles["BLOCK_N"]), plan.splits)
+        launchable(_w4a16_mma_kernel)[grid](
+            *args,
+            GROUP=group,
+            GROUPS_PER_BLOCK=BLOCK // group if 0 < group < BLOCK else 1,
+            HAS_BIAS=bias is not None,
+            PARTIAL=partial,
+            UPCAST=interpreted,
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            BLOCK_M=tiles["BLOCK_M"],
+            BLOCK_N=tiles["BLOCK_N"],
+            SUBBLOCKS=tiles["BLOCK_K"] // BLOCK,
+            GROUP_M=tiles["GROUP_M"],
+            TILE=tiles.get("UNPACK", "tile") == "tile",
+            num_warps=tiles["num_warps"],
+            num_stages=tiles["num_stages"],
+        )
+    if partial:
+        launchable(_split_sum_kernel)[(cdiv(M * N, SUM_BLOCK),)](
+            workspace,
+            bias if bias is not None else scales,
+            out,
+            M,
+            N,
+            bias.stride(0) if bias is not None else 0,
+            out.stride(0),
+            out.stride(1),
+            SPLITS=workspace.shape[0],
+            HAS_BIAS=bias is not None,
+            UPCAST=interpreted,
+            BLOCK=SUM_BLOCK,
+            num_warps=4,
+        )
 
 
 def _w4a16_op(
@@ -799,12 +856,11 @@ def _w4a16_op(
     bias: torch.Tensor | None,
     out: torch.Tensor,
     workspace: torch.Tensor | None,
-    tile_counters: torch.Tensor | None,
 ) -> None:
-    _launch(x, qweight, scales, zeros, group_size, bias, out, workspace, tile_counters)
+    _launch(x, qweight, scales, zeros, group_size, bias, out, workspace)
 
 
-triton_op("fusionscope::w4a16_gemm", mutates_args={"out", "workspace", "tile_counters"})(_w4a16_op)
+triton_op("fusionscope::w4a16_gemm", mutates_args={"out", "workspace"})(_w4a16_op)
 
 
 def _check(
@@ -822,10 +878,10 @@ def _check(
     if K == 0:
         raise ValueError("x must have K >= 1 inputs")
     group_size = check_group_size(group_size, K)
-    if qweight.dtype != torch.int32 or qweight.dim() != 2 or qweight.shape[1] != packed_words(K):
-        raise ValueError(f"qweight must be int32 (N, {packed_words(K)}) for K = {K} (16 words per 128 inputs, "
-                         f"`pack_w4`'s layout), got {tuple(qweight.shape)} {qweight.dtype}")  # fmt: skip
-    N, G = qweight.shape[0], group_count(K, group_size)
+    if qweight.dtype != torch.int32 or qweight.dim() != 2 or qweight.shape[0] != ROWS * cdiv(K, BLOCK):
+        raise ValueError(f"qweight must be int32 ({ROWS * cdiv(K, BLOCK)}, N) for K = {K} (16 rows per 128 inputs), "
+                         f"got {tuple(qweight.shape)} {qweight.dtype}")  # fmt: skip
+    N, G = qweight.shape[1], group_count(K, group_size)
     if tuple(scales.shape) != (G, N) or scales.dtype != x.dtype:
         raise ValueError(f"scales must be ({G}, {N}) {x.dtype} (x's dtype), got {tuple(scales.shape)} {scales.dtype}")
     if tuple(zeros.shape) != (G, N) or zeros.dtype != torch.uint8:
@@ -852,10 +908,10 @@ def w4a16_gemm(
     x: (..., K) fp32/fp16/bf16, any strides (leading dims that do not flatten to rows are copied first); qweight,
     scales, zeros: a `PackedW4`'s tensors (any strides); scales and bias in x's dtype; group_size as in `PackedW4`.
     Returns (..., N) in x's dtype, into `out` if given (leading dims flattening to rows, any strides). Besides the
-    output, a call split along K allocates its (splits, M, N) fp32 workspace: a fixed size per shape, so a CUDA graph
-    can capture the call. For inference: the result carries no autograd history."""
+    output, a decode call split along K allocates its (splits, M, N) fp32 workspace: a fixed size per shape, so a CUDA
+    graph can capture the call. For inference: the result carries no autograd history."""
     group_size = _check(x, qweight, scales, zeros, group_size, bias)
-    K, N = x.shape[-1], qweight.shape[0]
+    K, N = x.shape[-1], qweight.shape[1]
     x2d = x.reshape(math.prod(x.shape[:-1]), K)
     M = x2d.shape[0]
     out_shape = (*x.shape[:-1], N)
@@ -871,9 +927,7 @@ def w4a16_gemm(
         raise ValueError(f"out's leading dims must flatten to rows without a copy (strides {out.stride()})") from None
     if M == 0 or N == 0:
         return out
-    tile_counters = counters(x.device)
-    splits = schedule(M, N, K, x.device, group_size, split_ok=tile_counters is not None).splits
+    splits = schedule(M, N, K, x.device).splits
     workspace = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1 else None
-    run("w4a16_gemm", _w4a16_op, x2d, qweight, scales, zeros, group_size, bias, out2d, workspace,
-        tile_counters if splits > 1 else None)  # fmt: skip
+    run("w4a16_gemm", _w4a16_op, x2d, qweight, scales, zeros, group_size, bias, out2d, workspace)
     return out

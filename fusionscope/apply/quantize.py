@@ -5,9 +5,8 @@ That module, `PlainW4Linear`, is the unfused chain the `dequant_gemm` fusion is 
 subtract the zero, multiply by the scale, then a GEMM on the full-precision weight it has just written — so that any
 bf16 model can be tried with W4A16: `quantize_model` turns it into one whose Linears the finder matches and the
 `dequant_gemm` patcher serves with `fusionscope.kernels.w4a16_gemm` on the same packed tensors. The quantisation is
-round-to-nearest (`quantize_w4`), packed once, here, into the layout the kernel's tensor-core operand wants
-(`pack_w4`): the plain-PyTorch forward and the kernel read the same tensors. Its own error against the float model is a
-property of the weights, not of the kernel, and is reported apart from the fusion's.
+round-to-nearest (`quantize_w4`): its own error against the float model is a property of the weights, not of the
+kernel, and is reported apart from the fusion's.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import torch
 from torch import nn
 
 from fusionscope.errors import UsageError
-from fusionscope.kernels.w4a16_gemm import MIN_GROUP, PackedW4, check_group_size, quantize_w4, w4a16_reference
+from fusionscope.kernels.w4a16_gemm import PackedW4, check_group_size, quantize_w4, w4a16_reference
 
 DEFAULT_GROUP = 128
 
@@ -57,8 +56,8 @@ class PlainW4Linear(nn.Module):
 
 
 def parse_quantize(text: str) -> int:
-    """The group size asked for by `w4` (128), `w4:<group>` (a power of two ≥ 32, what the packed layout holds) or
-    `w4:channel` (-1: one group per output channel); UsageError for anything else."""
+    """The group size asked for by `w4` (128), `w4:<group>` (a power of two ≥ 16) or `w4:channel` (-1: one group per
+    output channel); UsageError for anything else."""
     kind, _, group = text.strip().partition(":")
     if kind != "w4":
         raise UsageError(f"--quantize takes w4 or w4:<group size> (e.g. w4:128, w4:channel), got {text!r}")
@@ -66,9 +65,9 @@ def parse_quantize(text: str) -> int:
         return DEFAULT_GROUP
     if group == "channel":
         return -1
-    if not group.isdigit() or int(group) < MIN_GROUP or int(group) & (int(group) - 1):
+    if not group.isdigit() or int(group) < 16 or int(group) & (int(group) - 1):
         raise UsageError(
-            f"--quantize w4:<group>: the group size must be a power of two >= {MIN_GROUP} or 'channel', got {group!r}"
+            f"--quantize w4:<group>: the group size must be a power of two >= 16 or 'channel', got {group!r}"
         )
     return int(group)
 
@@ -86,8 +85,8 @@ def quantize_model(
 
     Returns {"group_size", "swapped": {path: {"in_features", "out_features", "group_size"}}, "skipped": {path:
     reason}, "weight_bytes_before", "weight_bytes_after"} (weights and biases of the swapped Linears)."""
-    if group_size != -1 and (group_size < MIN_GROUP or group_size & (group_size - 1)):
-        raise UsageError(f"group_size must be a power of two >= {MIN_GROUP}, or -1 (per channel), got {group_size}")
+    if group_size != -1 and (group_size < 16 or group_size & (group_size - 1)):
+        raise UsageError(f"group_size must be a power of two >= 16, or -1 (per channel), got {group_size}")
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     swapped: dict[str, dict[str, int]] = {}
     skipped: dict[str, str] = {}

@@ -16,9 +16,8 @@ Estimate. The finder prices the fused kernel generically (`fusionscope.opportuni
 read once — here exactly the kernel's operands: the packed int32 weight, the scales, the uint8 zeros and x (plus the
 8-element shift constant) — and its output written once, at the measured copy bandwidth, plus one launch floor; the
 FLOPs at the tensor cores' peak never bind at decode. That is the bytes-at-the-roof model of the W4A16 kernel above:
-0.5 + (s + 1)/g bytes per weight. It missed by +166% on llama-3.1-8b (2026-12-02) because the kernel it priced — a
-CUDA-core GEMV at 6–8 instructions per weight — ran at a quarter of that roof; the kernel now converts two weights per
-AND-OR on the tensor cores' operand registers (~2 instructions per weight in all) so that it is bound by these bytes.
+0.5 + (s + 1)/g bytes per weight. It missed by +166% on llama-3.1-8b (2026-12-02) because the kernel it prices — a
+CUDA-core GEMV at 6–8 instructions per weight — runs well below that roof (reports/w4a16/README.md).
 Not counted: a decode call split along K also writes and reads back splits·m·out fp32 partial sums (≈ 3% of the
 weight bytes at m = 1 on Llama-3-8B's shapes), and the weights' K is padded to a multiple of 128.
 
@@ -28,10 +27,9 @@ already), and scale/zero-point preparation computed from parameters outside the 
 
 Patching (`patch`): a `PlainW4Linear` (`fusionscope.apply.quantize`, what `quantize_model` puts in a float model) gets
 a forward that calls the kernel on its own `qweight`, `scales`, `zeros` and bias — the same tensors, read at call
-time: that module holds fusionscope's packed layout already (packed once by `quantize_w4`, `from_gptq` or `from_awq`
-into the order the kernel's tensor-core operand wants), so nothing is converted or copied, and restoring the forward
-restores the model exactly. The patch also allocates the kernel's split-K tile counters on the module's GPU, so a CUDA
-graph captured right after it gets the split schedule. Any other module the finder matched is refused with the
+time: that module holds fusionscope's packed layout already (packed once by `quantize_w4`, `from_gptq` or `from_awq`),
+so nothing is converted or copied, and restoring the forward
+restores the model exactly. Any other module the finder matched is refused with the
 reason: its forward's layout is not one the patch can vouch for (a GPTQ or AWQ checkpoint converts once, at load time,
 with `from_gptq` / `from_awq` into a `PlainW4Linear`). In training mode the class's forward runs.
 """
@@ -115,7 +113,6 @@ def micro_case(graph: Graph, match: Match) -> Case | None:
 def patch(patcher: Patcher, paths: list[str]) -> dict[str, Support]:
     """Put `w4a16_gemm` into each `PlainW4Linear` at `paths`; one Support per path."""
     try:
-        from fusionscope.kernels.w4a16_gemm import counters
         from fusionscope.kernels.w4a16_gemm import w4a16_gemm as kernel
     except ImportError as error:
         return {path: Support.no(f"the w4a16_gemm kernel does not load here: {error}") for path in paths}
@@ -135,8 +132,6 @@ def patch(patcher: Patcher, paths: list[str]) -> dict[str, Support]:
             supports[path] = Support.no(reason)
         else:
             patcher.set_forward(module, unless_training(_fused_forward(kernel)), owner=KEY)
-            if module.qweight.is_cuda:
-                counters(module.qweight.device)  # outside any graph capture: split-K is then capturable
             supports[path] = Support.yes()
     return supports
 

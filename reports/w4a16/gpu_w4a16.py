@@ -1,7 +1,7 @@
-"""W4A16 on the GPU: the kernel (`new`: the shipped TILES, the CUDA-core decode kernel up to 4 rows and the tensor-core
-one above, and a few candidates per M) against the kernel it replaced (`old`, `w4a16_before.py` beside this
-script) and bf16 cuBLAS (`torch.nn.functional.linear` on the float weight before quantisation), after checking each
-against the float64 reference.
+"""W4A16 on the GPU: the kernel as shipped (`new`: its TILES, the CUDA-core GEMV at M = 1 and the tensor-core kernel
+above) and a few candidate tiles (`new:LABEL`, `CANDIDATES`, each one schedule for every M, its rows per program
+following M) against bf16 cuBLAS (`torch.nn.functional.linear` on the float weight before quantisation), after
+checking each against the float64 reference.
 
 Usage, from the repository root on the GPU machine (fusionscope importable, one GPU):
     python3 reports/w4a16/gpu_w4a16.py OUT            # < 150 s on an H200 (BUDGET_S; --budget SECONDS to change)
@@ -32,9 +32,10 @@ What it does, in order:
    sums in a fixed order); a variant that fails or does not compile is a row and is not timed. Then ROUNDS interleaved
    rounds of every passing variant and bf16 cuBLAS, each a replay timing of its graph (above), median per round,
    median of the rounds kept. The weight copies are made once per shape and freed after it.
-3. Summary per (shape, M): µs of new (shipped and best candidate), old and bf16; × bf16 (bf16 µs ÷ new µs); GB/s on
-   the bytes the kernel must move (packed weight, scales, zeros, x, output) and % of the copy roof at the weight's size
-   and of the 1 GiB one. Targets: ≥ 3× bf16 at M = 1..16 on the three shapes, ≥ 80% of the copy bandwidth at M = 1.
+3. Summary per (shape, M): µs of new as shipped, of the best of it and the candidates, and of bf16; × bf16 (bf16 µs
+   ÷ new µs); GB/s on the bytes the kernel must move (packed weight, scales, zeros, x, output) and % of the copy roof
+   at the weight's size and of the 1 GiB one. Targets: ≥ 3× bf16 at M = 1..16 on the three shapes, ≥ 80% of the
+   copy bandwidth at M = 1.
 Compilation: ~20 kernel specialisations (a few seconds each) happen at the first check of each variant.
 """
 
@@ -44,7 +45,6 @@ import argparse
 import contextlib
 import datetime as dt
 import importlib
-import importlib.util
 import json
 import math
 import platform
@@ -58,7 +58,6 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-HERE = Path(__file__).resolve().parent
 SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096))  # (K, N)
 ROWS = (1, 2, 4, 8, 16)
 GROUP = 128
@@ -75,14 +74,20 @@ TIMING = {
 }
 TARGET_X_BF16 = 3.0
 TARGET_COPY_SHARE = 0.8
-# Candidates beside the shipped TILES: (label, tiles); BLOCK_M follows M (the CUDA-core kernel: M rows up to 4, the
-# rows split in blocks of 4 above; the tensor-core kernel: 8 rows up to 8, 16 above).
+# Candidates beside the shipped TILES: (label, tiles), in the kernel's TILES format, each a copy of the TILES entry of
+# its KERNEL (gemv: M = 1; decode: the tensor-core tiles up to 16 rows) with what the label names changed. BLOCK_M
+# follows M (`rows_tiles`): the GEMV takes 1, 2 or 4 rows per program (more rows: more programs along the grid's third
+# axis); the tensor-core kernel 16, the shipped decode tile. The GEMV's num_stages changes nothing (its loads feed no
+# dot, so Triton does not pipeline them: the kernel's comment).
 CANDIDATES = (
-    ("gemv-n256-k256-s3", {"GEMV": 1, "BLOCK_N": 256, "BLOCK_K": 256, "KC": 128, "SPLIT_K": 0, "num_warps": 8,
-                           "num_stages": 3}),
-    ("gemv-n128-k128-w4", {"GEMV": 1, "BLOCK_N": 128, "BLOCK_K": 128, "KC": 128, "SPLIT_K": 0, "num_warps": 4,
-                           "num_stages": 2}),
-    ("mma-n128-k128-w4", {"BLOCK_N": 128, "BLOCK_K": 128, "KC": 128, "SPLIT_K": 0, "num_warps": 4, "num_stages": 4}),
+    ("gemv-n256-w8", {"KERNEL": "gemv", "BLOCK_M": 1, "BLOCK_N": 256, "BLOCK_K": 256, "SPLIT_K": 0, "num_warps": 8,
+                      "num_stages": 1, "PREFETCH": False}),
+    ("gemv-n128-k128-s2", {"KERNEL": "gemv", "BLOCK_M": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 0,
+                           "num_warps": 4, "num_stages": 2, "PREFETCH": False}),
+    ("mma-n128", {"KERNEL": "mma", "UNPACK": "tile", "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 0,
+                  "GROUP_M": 1, "num_warps": 4, "num_stages": 3}),
+    ("mma-n64-k256", {"KERNEL": "mma", "UNPACK": "tile", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 0,
+                      "GROUP_M": 1, "num_warps": 4, "num_stages": 3}),
 )  # fmt: skip
 Call = Callable[[], Any]
 # A timer takes one call per weight copy and returns (one timing: µs per call, what it does: "timing", "calls",
@@ -92,17 +97,6 @@ Timer = Callable[[Sequence[Call]], tuple[Callable[[], float], dict[str, Any]]]
 
 def kernel_module():
     return importlib.import_module("fusionscope.kernels.w4a16_gemm")
-
-
-def before_module():
-    """The replaced kernel, loaded from this folder (its op registered as fusionscope::w4a16_gemm_before)."""
-    name = "w4a16_before"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, HERE / "w4a16_before.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 def meta(device: torch.device, timer: Timer) -> dict[str, Any]:
@@ -244,18 +238,20 @@ def copy_gbps(size: int, device: torch.device, timer: Timer) -> tuple[float, dic
     return 2 * size / once() / 1e3, info
 
 
-def rows_tiles(config: dict[str, int], M: int) -> dict[str, int]:
-    if config.get("GEMV"):
+def rows_tiles(config: dict[str, int | str], M: int) -> dict[str, int | str]:
+    """`config` with the rows per program for M rows: the GEMV the next power of two ≥ M, at most 4 (its limit; above
+    it the rows take several programs), the tensor-core kernel 16."""
+    if config["KERNEL"] == "gemv":
         return dict(config, BLOCK_M=min(1 << (M - 1).bit_length(), 4))
-    return dict(config, BLOCK_M=8 if M <= 8 else 16)
+    return dict(config, BLOCK_M=16)
 
 
-def new_variants(M: int) -> dict[str, dict[str, int] | None]:
+def new_variants(M: int) -> dict[str, dict[str, int | str] | None]:
     """{label: tiles for every M, or None for the shipped TILES}."""
     return {"new": None, **{f"new:{label}": rows_tiles(config, M) for label, config in CANDIDATES}}
 
 
-def run_new(mod, tiles: dict[str, int] | None, call: Callable[[], torch.Tensor]) -> torch.Tensor:
+def run_new(mod, tiles: dict[str, int | str] | None, call: Callable[[], torch.Tensor]) -> torch.Tensor:
     """`call` with the module's TILES replaced by one unbounded entry (`tiles`), or as shipped (None)."""
     if tiles is None:
         return call()
@@ -278,21 +274,20 @@ class Variant(NamedTuple):
     takes_out: bool = True
 
 
-def weight_sets(p, old_q: torch.Tensor, weight: torch.Tensor, device: torch.device) -> dict[str, list[tuple]]:
-    """{name: [the original, its copies]} for the new variants' `PackedW4` (packed weight, scales, zeros), the old
-    kernel's layout (its packed weight, the same scales and zeros) and bf16 cuBLAS' float weight: `copies_for` each."""
-    base = {"packed": p, "old": (old_q, p.scales, p.zeros), "bf16": (weight,)}
+def weight_sets(p, weight: torch.Tensor, device: torch.device) -> dict[str, list[tuple]]:
+    """{name: [the original, its copies]} for the new variants' `PackedW4` (packed weight, scales, zeros) and bf16
+    cuBLAS' float weight: `copies_for` each."""
+    base = {"packed": p, "bf16": (weight,)}
     return {name: rotated(w, copies_for(set_bytes(w), device)) for name, w in base.items()}
 
 
-def variant_calls(mod, old, x: torch.Tensor) -> dict[str, Variant]:
-    """{label: Variant} for the new variants and the old kernel (into `out`), and bf16 cuBLAS (no out)."""
+def variant_calls(mod, x: torch.Tensor) -> dict[str, Variant]:
+    """{label: Variant} for the new variants (into `out`) and bf16 cuBLAS (no out)."""
     calls: dict[str, Variant] = {}
     for label, tiles in new_variants(x.shape[0]).items():
         calls[label] = Variant(
             "packed", lambda w, o=None, tiles=tiles: run_new(mod, tiles, lambda: mod.w4a16_gemm(x, *w, out=o))
         )
-    calls["old"] = Variant("old", lambda w, o=None: old.w4a16_gemm(x, *w, GROUP, out=o))
     calls["bf16"] = Variant("bf16", lambda w, o=None: F.linear(x, *w), takes_out=False)
     return calls
 
@@ -308,7 +303,7 @@ def bound_calls(variant: Variant, copies: list[tuple], x: torch.Tensor, N: int) 
 
 def plan_of(mod, label: str, M: int, N: int, K: int, device: torch.device):
     tiles = new_variants(M)[label]
-    return run_new(mod, tiles, lambda: mod.schedule(M, N, K, device, GROUP))
+    return run_new(mod, tiles, lambda: mod.schedule(M, N, K, device))
 
 
 def time_rounds(out: Out, where: dict[str, int], timers: dict[str, tuple[Callable[[], float], dict[str, Any]]],
@@ -340,7 +335,7 @@ def measure(out: Out, folder: Path, device: torch.device | None = None, shapes=S
 
     device = device or torch.device("cuda", torch.cuda.current_device())
     timer = timer or (graph_timer if device.type == "cuda" else wall_timer)
-    mod, old = kernel_module(), before_module()
+    mod = kernel_module()
     info = meta(device, timer)
     out.row(info)
     out.log(json.dumps(info))
@@ -362,20 +357,19 @@ def measure(out: Out, folder: Path, device: torch.device | None = None, shapes=S
         gen = torch.Generator().manual_seed(K + N)
         weight = (torch.randn(N, K, generator=gen) / K**0.5).to(device, torch.bfloat16)
         p = mod.quantize_w4(weight, GROUP)
-        old_q = old.pack_w4(mod.unpack_w4(p.qweight, K))  # the same levels in the replaced kernel's layout
         w64 = mod.dequantize_w4(p.qweight, p.scales.double(), p.zeros, GROUP, K)  # (K, N) float64
         at_size, how = copy_gbps(nbytes(p.qweight), device, timer)
         out.row({"kind": "copy", "K": K, "N": N, "bytes": nbytes(p.qweight), "gbps": at_size, **how})
-        sets = weight_sets(p, old_q, weight, device)
+        sets = weight_sets(p, weight, device)
         for M in rows:
             if over():
                 break
-            point = measure_point(out, mod, old, sets, K, N, M, gen, w64, timer, rounds, over, assert_close)
+            point = measure_point(out, mod, sets, K, N, M, gen, w64, timer, rounds, over, assert_close)
             point = summarise(K, N, M, *point, at_size, summary["copy_gbps_1gib"])
             summary["points"].append(point)
             out.row({"kind": "point", **point})
             out.log(line(point))
-        del weight, p, old_q, w64, sets
+        del weight, p, w64, sets
         free(device)
     targets(summary)
     summary["elapsed_s"] = time.monotonic() - start
@@ -386,7 +380,7 @@ def measure(out: Out, folder: Path, device: torch.device | None = None, shapes=S
     return summary
 
 
-def measure_point(out: Out, mod, old, sets: dict[str, list[tuple]], K: int, N: int, M: int, gen: torch.Generator,
+def measure_point(out: Out, mod, sets: dict[str, list[tuple]], K: int, N: int, M: int, gen: torch.Generator,
                   w64: torch.Tensor, timer: Timer, rounds: int, over: Callable[[], bool],
                   assert_close: Callable) -> tuple[dict[str, float], int, dict[str, dict[str, Any]]]:  # fmt: skip
     """One (shape, M): every variant checked (a row each), the passing ones prepared for timing (their graphs, freed
@@ -396,7 +390,7 @@ def measure_point(out: Out, mod, old, sets: dict[str, list[tuple]], K: int, N: i
     exact = x.double() @ w64
     p = sets["packed"][0]
     moved = nbytes(p.qweight, p.scales, p.zeros, x) + M * N * 2
-    calls = variant_calls(mod, old, x)
+    calls = variant_calls(mod, x)
     passing = []
     for label, variant in calls.items():
         row = {"kind": "check", "K": K, "N": N, "M": M, "variant": label}
@@ -411,7 +405,7 @@ def measure_point(out: Out, mod, old, sets: dict[str, list[tuple]], K: int, N: i
                 row["max_abs_err"] = float((got.double() - exact).abs().max())
             if label.startswith("new"):
                 plan = plan_of(mod, label, M, N, K, device)
-                row.update(tiles=plan.tiles, splits=plan.splits, even=plan.even)
+                row.update(tiles=plan.tiles, splits=plan.splits, blocks_per_split=plan.blocks_per_split)
             row["ok"] = True
             passing.append(label)
         except Exception as exc:  # a failure is a row; the variant is not timed
@@ -434,7 +428,7 @@ def summarise(K: int, N: int, M: int, medians: dict[str, float], moved: int, tim
     best = min(news, key=news.get) if news else None
     point = {"K": K, "N": N, "M": M, "us": medians, "best_new": best, "bytes": moved, "timing": timing}
     bf16 = medians.get("bf16")
-    for key, label in (("shipped", "new"), ("best", best), ("old", "old")):
+    for key, label in (("shipped", "new"), ("best", best)):
         us = medians.get(label) if label else None
         point[f"{key}_us"] = us
         point[f"{key}_x_bf16"] = bf16 / us if us and bf16 else None
@@ -453,7 +447,7 @@ def line(point: dict) -> str:
             f"({f(point['shipped_x_bf16'])}× bf16, {f(point['shipped_gbps'], '.0f')} GB/s, "
             f"{f(100 * point['shipped_copy_share_at_size'] if point['shipped_copy_share_at_size'] else None, '.0f')}% "
             f"copy at size) | best {point['best_new']} {f(point['best_us'])} µs ({f(point['best_x_bf16'])}×) | "
-            f"old {f(us.get('old'))} µs ({f(point['old_x_bf16'])}×) | bf16 {f(us.get('bf16'))} µs")  # fmt: skip
+            f"bf16 {f(us.get('bf16'))} µs")  # fmt: skip
 
 
 def targets(summary: dict) -> None:

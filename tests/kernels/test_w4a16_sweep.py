@@ -1,7 +1,7 @@
 """`reports/w4a16/gpu_w4a16.py` on the CPU: the run the other machine makes — every variant it times (the shipped
-tiles, the candidates, the replaced kernel from `w4a16_before.py`) checked against float64 with outputs poisoned,
-then timed in interleaved rounds, rows written as they come, the summary and the targets — end to end with the
-interpreter standing in for the GPU, a wall clock for CUDA events and small shapes."""
+tiles, the candidates, bf16) checked against float64 with outputs poisoned, then timed in interleaved rounds, rows
+written as they come, the summary and the targets — end to end with the interpreter standing in for the GPU, a wall
+clock for CUDA events and small shapes."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-import torch
-from fusionscope.kernels.w4a16_gemm import INTERPRETER
+from fusionscope.kernels.w4a16_gemm import INTERPRETER, TILES
 
 from tests.conftest import REPO
 from tests.kernels.conftest import device
@@ -41,20 +40,21 @@ def _run(tmp_path: Path, **kwargs) -> tuple[dict, list[dict]]:
 
 
 def test_the_run_checks_times_and_summarises_every_variant(tmp_path: Path) -> None:
-    """K = 256 → N = 192 (K a multiple of the 256-input step, N of no candidate's column tile: the masked path) at M =
-    1 and 9 (8 and 16 rows per program): every variant passes its float64 check (bit-equal on a second call), is
-    timed in both rounds, and the summary has a point per M with × bf16 and copy shares."""
-    summary, rows = _run(tmp_path, shapes=((256, 192),), rows=(1, 9), rounds=2)
+    """K = 256 → N = 160 (K a multiple of the 256-input step, N of no column tile, shipped or candidate: the masked
+    path) at M = 1 and 9 (the GEMV: 1 row per program, then 4 with a third program of one live row; the tensor-core
+    kernel: 16): every variant passes its float64 check (bit-equal on a second call), is timed in both rounds, and the
+    summary has a point per M with × bf16 and copy shares."""
+    summary, rows = _run(tmp_path, shapes=((256, 160),), rows=(1, 9), rounds=2)
     assert rows[0]["kind"] == "meta" and rows[-1]["kind"] == "summary"
     checks = [r for r in rows if r["kind"] == "check"]
-    variants = {"new", "old", "bf16", *(f"new:{label}" for label, _ in SCRIPT.CANDIDATES)}
+    variants = {"new", "bf16", *(f"new:{label}" for label, _ in SCRIPT.CANDIDATES)}
     assert {r["variant"] for r in checks} == variants and len(checks) == 2 * len(variants)
     failed = [r for r in checks if not r["ok"]]
     assert not failed, failed[0]["trace"]
     assert all(r["bit_equal_twice"] for r in checks if r["variant"] != "bf16")
     times = [r for r in rows if r["kind"] == "time"]
     assert len(times) == 2 * 2 * len(variants) and all(r["us"] > 0 for r in times)
-    assert [(p["K"], p["N"], p["M"]) for p in summary["points"]] == [(256, 192, 1), (256, 192, 9)]
+    assert [(p["K"], p["N"], p["M"]) for p in summary["points"]] == [(256, 160, 1), (256, 160, 9)]
     for point in summary["points"]:
         assert set(point["us"]) == variants and point["best_new"].startswith("new")
         assert point["shipped_x_bf16"] > 0 and point["shipped_copy_share_at_size"] > 0
@@ -70,10 +70,12 @@ def test_the_budget_stops_new_measurements_and_the_summary_is_still_written(tmp_
     assert rows[-1]["kind"] == "summary" and (tmp_path / "w4a16.json").exists()
 
 
-def test_the_old_kernel_reads_the_same_levels_in_its_own_layout() -> None:
-    """The baseline is the replaced kernel on the very weights the new one reads: repacked from the same levels."""
-    mod, old = SCRIPT.kernel_module(), SCRIPT.before_module()
-    weight = torch.randn(48, 300, generator=torch.Generator().manual_seed(3)).to(device(), torch.bfloat16)
-    p = mod.quantize_w4(weight, 64)
-    old_q = old.pack_w4(mod.unpack_w4(p.qweight, 300))
-    assert torch.equal(old.dequantize_w4(old_q, p.scales, p.zeros, 64, 300), mod.dequantize_w4(*p[:3], 64, 300))
+def test_candidates_hold_every_key_of_the_shipped_tiles_of_their_kernel() -> None:
+    """Each candidate is a TILES entry of its KERNEL with values changed, no key missing or extra, and its rows per
+    program are legal for every M the sweep times."""
+    shipped = {config["KERNEL"]: config for _, config in TILES.values()}
+    for label, config in SCRIPT.CANDIDATES:
+        assert set(config) == set(shipped[config["KERNEL"]]), label
+        for M in SCRIPT.ROWS:
+            rows = SCRIPT.rows_tiles(config, M)["BLOCK_M"]
+            assert rows in ((1, 2, 4) if config["KERNEL"] == "gemv" else (16,)), (label, M, rows)
