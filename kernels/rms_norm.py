@@ -17,6 +17,17 @@ row in chunks of 8192 and read x twice (fused = 3·s·N, the second read mostly 
 Casting follows Hugging Face exactly (see `rms_norm_reference`): for offset == 0 (Llama) the normalised row is rounded
 to x's dtype and then multiplied by the weight, which rounds again in the promoted dtype of (x, weight); for offset != 0
 (Gemma) the row is multiplied by (offset + weight) in fp32 and rounded once to x's dtype.
+
+`weight_in_fp32=True` is the third casting, OLMo-2's (`Olmo2RMSNorm`, T5's): `(weight * x̂).to(input_dtype)` with x̂
+in fp32, so the weight product runs in fp32 (the weight widened) and the result rounds once, to the dtype asked for
+(x's by default). Why a mode and not a wrapper: the graph rewrite (`fusionscope.fusions.rms_norm`'s `upcast`) used to
+get that order by handing the Llama kernel `x.float()` and casting its fp32 result back: two copy kernels around every
+norm (on an H200, OLMo-2-7B bf16 decode: 260 copy kernels, 458 µs of a 5.28 ms step). Read in x's dtype and stored in
+the output dtype, it is one launch at the fused traffic:
+
+    unfused, OLMo-2 (weight_in_fp32)       = (2·s + 36)·N   fp16/bf16: 40·N   (as Gemma: the same ops on the row)
+    x.float() → kernel in fp32 → .to(dtype) = (2·s + 16)·N   fp16/bf16: 20·N, 3 launches (the old rewrite)
+    fused                                   = 2·s·N          fp16/bf16: 4·N, 1 launch
 """
 
 from __future__ import annotations
@@ -37,14 +48,26 @@ CHUNK = 8192
 LOAD_HINTS = Tunables(evict_last_from=8192)
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+def rms_norm_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    offset: float = 0.0,
+    *,
+    weight_in_fp32: bool = False,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """RMSNorm over the last dim, cast exactly like Hugging Face's `LlamaRMSNorm` (offset 0) / `Gemma2RMSNorm` (offset
-    1). x: (..., N), weight: (N,). Statistics run in fp32, or in fp64 when given fp64 inputs (the high-precision check).
+    1), or with `weight_in_fp32` like `Olmo2RMSNorm`: `(weight * x̂).to(dtype)`, the product in the statistics'
+    precision, rounded once to `dtype` (default x's). x: (..., N), weight: (N,). Statistics run in fp32, or in fp64
+    when given fp64 inputs (the high-precision check: then the result stays fp64 unless `dtype` says otherwise).
     Bytes per row of width N, x in s bytes (weight traffic ~0 per row, see the module docstring):"""
     acc = torch.promote_types(x.dtype, torch.float32)
     h = x.to(acc)  # read N·s, write N·4 (a no-op for fp32 x)
     var = h.pow(2).mean(-1, keepdim=True)  # pow: read N·4, write N·4; mean: read N·4, write 4
     h = h * torch.rsqrt(var + eps)  # add, rsqrt: 4 bytes; mul: read N·4 + 4, write N·4
+    if weight_in_fp32:  # Olmo2RMSNorm: mul: read N·4, write N·4; to: read N·4, write N·s
+        return ((offset + weight.to(acc)) * h if offset else weight.to(acc) * h).to(dtype or x.dtype)
     if offset == 0.0:  # LlamaRMSNorm: round to x's dtype, then the weight product rounds again
         return weight * h.to(x.dtype)  # to: read N·4, write N·s; mul: read N·s, write N·s
     return (h * (offset + weight.to(acc))).to(
@@ -52,9 +75,12 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset
     )  # Gemma2RMSNorm: mul: read N·4, write N·4; to: read N·4, write N·s
 
 
-def output_dtype(x_dtype: torch.dtype, weight_dtype: torch.dtype, offset: float) -> torch.dtype:
-    """The dtype Hugging Face returns: `weight * h.to(x.dtype)` promotes (offset 0); `.type_as(x)` keeps x's."""
-    return torch.promote_types(x_dtype, weight_dtype) if offset == 0.0 else x_dtype
+def output_dtype(
+    x_dtype: torch.dtype, weight_dtype: torch.dtype, offset: float, weight_in_fp32: bool = False
+) -> torch.dtype:
+    """The dtype Hugging Face returns: `weight * h.to(x.dtype)` promotes (offset 0); `.type_as(x)` (Gemma) and
+    `.to(input_dtype)` (OLMo-2, `weight_in_fp32`) keep x's."""
+    return torch.promote_types(x_dtype, weight_dtype) if offset == 0.0 and not weight_in_fp32 else x_dtype
 
 
 @triton.jit
@@ -109,6 +135,7 @@ def _rms_norm_kernel(
     HAS_OFFSET: tl.constexpr,
     SOFT_BF16: tl.constexpr,  # round to bf16 in software (the interpreter's cast truncates)
     EVICT_X: tl.constexpr = "",  # cache hint for the loads of x ("", "evict_first", "evict_last"): tune_norms.py
+    WEIGHT_IN_FP32: tl.constexpr = False,  # OLMo-2: w·x̂ in fp32, rounded once at the store (offset 0 only)
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < M
@@ -124,7 +151,10 @@ def _rms_norm_kernel(
         w = tl.load(w_ptr + cols * swn, mask=cols < N, other=0.0).to(tl.float32)  # issued before the reduction
         x = tl.load(x_row + cols[None, :] * sxn, mask=mask, other=0.0, eviction_policy=EVICT_X).to(tl.float32)
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
-        y = _scale(x * rstd[:, None], w[None, :], offset, x_ptr.dtype.element_ty, HAS_OFFSET, SOFT_BF16)
+        if WEIGHT_IN_FP32:
+            y = x * rstd[:, None] * w[None, :]
+        else:
+            y = _scale(x * rstd[:, None], w[None, :], offset, x_ptr.dtype.element_ty, HAS_OFFSET, SOFT_BF16)
         tl.store(o_row + cols[None, :] * son, _to_dtype(y, out_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
     else:
         sq = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
@@ -139,7 +169,10 @@ def _rms_norm_kernel(
             mask = row_mask[:, None] & (c < N)[None, :]
             x = tl.load(x_row + c[None, :] * sxn, mask=mask, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + c * swn, mask=c < N, other=0.0).to(tl.float32)
-            y = _scale(x * rstd[:, None], w[None, :], offset, x_ptr.dtype.element_ty, HAS_OFFSET, SOFT_BF16)
+            if WEIGHT_IN_FP32:
+                y = x * rstd[:, None] * w[None, :]
+            else:
+                y = _scale(x * rstd[:, None], w[None, :], offset, x_ptr.dtype.element_ty, HAS_OFFSET, SOFT_BF16)
             tl.store(o_row + c[None, :] * son, _to_dtype(y, out_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
 
 
@@ -217,8 +250,10 @@ def check_out(out: torch.Tensor, x: torch.Tensor, dtype: torch.dtype, name: str 
         )
 
 
-def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float, offset: float) -> None:
-    """Writes RMSNorm(x) into `out` (arguments already checked by `rms_norm`)."""
+def _rms_norm_op(
+    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float, offset: float, weight_in_fp32: bool = False
+) -> None:
+    """Writes RMSNorm(x) into `out`, rounded to out's dtype (arguments already checked by `rms_norm`)."""
     N = x.shape[-1]
     M = x.numel() // N if N else 0
     if M == 0:
@@ -228,7 +263,7 @@ def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: 
     grid = (cdiv(M, cfg["ROWS"]),)
     launchable(_rms_norm_kernel)[grid](
         x, weight, out, M, M1, M2, N, *sx, x.stride(-1), *so, out.stride(-1), weight.stride(0), eps, offset,
-        HAS_OFFSET=offset != 0.0, SOFT_BF16=SOFT_BF16, **cfg,
+        HAS_OFFSET=offset != 0.0, SOFT_BF16=SOFT_BF16, WEIGHT_IN_FP32=weight_in_fp32 and offset == 0.0, **cfg,
     )  # fmt: skip
 
 
@@ -236,20 +271,39 @@ triton_op("fusionscope::rms_norm", mutates_args={"out"})(_rms_norm_op)
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0, out: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    offset: float = 0.0,
+    out: torch.Tensor | None = None,
+    *,
+    weight_in_fp32: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """RMSNorm over the last dim in one kernel, cast like Hugging Face (offset 0: `LlamaRMSNorm`, the usual input and
-    final norms and Qwen3's per-head q/k norms; offset 1: `Gemma2RMSNorm`).
+    final norms and Qwen3's per-head q/k norms; offset 1: `Gemma2RMSNorm`; `weight_in_fp32`: `Olmo2RMSNorm`).
 
     x: (..., N), fp32/fp16/bf16, any strides (leading dims that do not merge into rows are indexed per dim, up to
-    three such dims). weight: (N,), fp32/fp16/bf16. out: optional preallocated (..., N) tensor of the result dtype:
-    promote(x, weight) for offset 0 (HF's `weight * h.to(x.dtype)`), x's dtype otherwise. Returns out.
+    three such dims). weight: (N,), fp32/fp16/bf16. weight_in_fp32: multiply x̂ by the weight in fp32 (the weight
+    widened) and round once, OLMo-2's `(weight * x̂).to(dtype)`, instead of Llama's `weight * x̂.to(x.dtype)` (with
+    offset != 0 the product is in fp32 either way). dtype: the dtype that one rounding goes to (default x's), only with
+    weight_in_fp32; otherwise the result dtype is Hugging Face's, promote(x, weight) for offset 0 (HF's
+    `weight * h.to(x.dtype)`), x's dtype otherwise. out: optional preallocated (..., N) tensor of the result dtype.
+    Returns out.
     """
     check_norm_args(x, weight)
-    dtype = output_dtype(x.dtype, weight.dtype, offset)
+    result = output_dtype(x.dtype, weight.dtype, offset, weight_in_fp32)
+    if dtype is not None and dtype != result:
+        if not weight_in_fp32:
+            raise ValueError(
+                f"dtype={dtype} needs weight_in_fp32=True (one rounding, to dtype); without it the result is {result}"
+            )
+        if dtype not in _FLOATS:
+            raise ValueError(f"dtype must be fp32/fp16/bf16, got {dtype}")
+        result = dtype
     if out is None:
-        out = new_output(x, dtype)
+        out = new_output(x, result)
     else:
-        check_out(out, x, dtype)
-    run("rms_norm", _rms_norm_op, x, weight, out, float(eps), float(offset))
+        check_out(out, x, result)
+    run("rms_norm", _rms_norm_op, x, weight, out, float(eps), float(offset), bool(weight_in_fp32))
     return out

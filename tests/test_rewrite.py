@@ -551,6 +551,58 @@ def test_olmo2s_fp32_rotary_tables_in_bf16(calls: collections.Counter) -> None:
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * scale, rtol=0)
 
 
+def _two_cast_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, dtype: str,
+                   upcast: bool = False) -> torch.Tensor:  # fmt: skip
+    """`fused_rms_norm` as the upcast binding was before the kernel's weight_in_fp32 mode: the kernel on `x.float()`,
+    its fp32 result cast back (the baseline of the count below)."""
+    assert upcast, "every OLMo-2 norm multiplies by its weight before the cast"
+    return fusionscope.kernels.rms_norm(x.float(), weight, eps, offset).to(getattr(torch, dtype))
+
+
+def test_olmo2s_norms_in_bf16_dispatch_no_casts(calls: collections.Counter, monkeypatch: pytest.MonkeyPatch) -> None:
+    """OLMo-2's norm ends `(weight * x̂).to(dtype)`, x̂ in fp32 (`norm_operands`' upcast): the binding runs the kernel's
+    weight_in_fp32 mode on x as it is, one launch, where it used to run the kernel on `x.float()` and cast the result
+    back: two copy kernels around each of the 128 norms of OLMo-2-7B's decode step on the H200. On a bf16 tiny OLMo-2
+    with every rms_norm and add_rms_norm site patched, a prefill and a decode step dispatch 2 `aten::_to_copy` fewer
+    per site and forward than the same captured graph with that two-cast binding, with the same logits bit for bit,
+    and decode as the unpatched model does. (The unpatched model is no baseline for the count: on the CPU its eager
+    norms also cast scalars and the weight, which the captured graph does not.)"""
+    from fusionscope.fusions import add_rms_norm as add_rms_norm_fusion
+    from fusionscope.fusions import rms_norm as rms_norm_fusion
+
+    model, ids = lm("tiny-olmo2")
+    model = model.to(torch.bfloat16)
+    sites = find_sites(model)
+    where = [{"fusion": f, "module_paths": sites[f]} for f in ("rms_norm", "add_rms_norm")]
+    n_sites = len(sites["rms_norm"]) + len(sites["add_rms_norm"])
+    assert len(sites["rms_norm"]) == 8 and n_sites == 9  # q_norm, k_norm and the two post-norms of 2 layers; final
+    ref_prefill, ref_decode, token = prefill_and_decode(model, ids)
+
+    def casts_per_run() -> tuple[int, tuple[torch.Tensor, torch.Tensor]]:
+        torch._dynamo.reset()  # the other binding's graphs must not be reused
+        with patch(model, where) as r:
+            for fusion in ("rms_norm", "add_rms_norm"):
+                assert set(r.applied.get(fusion, [])) == set(sites[fusion]), r.skipped
+            prefill_and_decode(model, ids, token)  # the captures and rewrites happen here, outside the count
+            calls.clear()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                prefill, decode, _ = prefill_and_decode(model, ids, token)
+        assert calls["rms_norm"] == 2 * n_sites and calls["add_rms_norm"] == 0  # one launch a site and forward
+        return sum(e.name == "aten::_to_copy" for e in prof.events()), (prefill, decode)
+
+    casts, got = casts_per_run()
+    with monkeypatch.context() as m:
+        m.setattr(rms_norm_fusion, "fused_rms_norm", _two_cast_norm)
+        m.setattr(add_rms_norm_fusion, "fused_rms_norm", _two_cast_norm)
+        casts_before, got_before = casts_per_run()
+    assert casts_before - casts == 2 * n_sites * 2, (casts_before, casts, n_sites)  # 2 per site, 2 forwards
+    for new, old in zip(got, got_before):
+        assert torch.equal(new, old)  # one rounding of the same fp32 product either way
+    for new, want in zip(got, (ref_prefill, ref_decode)):
+        scale = max(1.0, want.float().abs().max().item())
+        torch.testing.assert_close(new.float(), want.float(), atol=2e-2 * scale, rtol=0)
+
+
 class Weightless(ChainNorm):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         input_dtype = hidden_states.dtype

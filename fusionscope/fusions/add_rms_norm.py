@@ -27,7 +27,7 @@ from fusionscope.apply.layers import (
 from fusionscope.apply.patcher import Support
 from fusionscope.apply.source import forward_replaced
 from fusionscope.fusions.base import Binding, Graph, In, Match, row_micro_case
-from fusionscope.fusions.rms_norm import is_residual_add, norm_chain, norm_operands
+from fusionscope.fusions.rms_norm import fused_rms_norm, is_residual_add, norm_chain, norm_operands
 
 if TYPE_CHECKING:
     from fusionscope.apply.patcher import Patcher
@@ -56,8 +56,9 @@ def find(graph: Graph) -> list[Match]:
 def bind(graph: Graph, match: Match) -> Binding | str:
     """One `add_rms_norm(a, b, weight, ε, offset)` in place of the add and the chain: its two results replace the
     chain's output and the add's (the new residual, which the next residual add reads). A chain that multiplies by
-    the weight before it casts back (`rms_norm.norm_operands`' upcast) gets the add, then the norm on the sum in fp32
-    cast once: fewer launches, the chain's one rounding."""
+    the weight before it casts back (`rms_norm.norm_operands`' upcast) gets the add, then `fused_rms_norm`'s one
+    `weight_in_fp32` launch on the sum: the chain's one rounding, two launches and no cast kernels (the add kernel has
+    no such mode)."""
     found = norm_operands(graph, match)
     if isinstance(found, str):
         return found
@@ -75,11 +76,11 @@ def fused_add_rms_norm(a: Any, b: Any, weight: Any, eps: float, offset: float, d
                        upcast: bool = False) -> tuple[Any, Any]:  # fmt: skip
     import torch
 
-    from fusionscope.kernels import add_rms_norm, rms_norm
+    from fusionscope.kernels import add_rms_norm
 
     if upcast:
         residual = a + b
-        return rms_norm(residual.float(), weight, eps, offset).to(getattr(torch, dtype)), residual
+        return fused_rms_norm(residual, weight, eps, offset, dtype, upcast=True), residual
     out, residual = add_rms_norm(a, b, weight, eps, offset)
     return (out if str(out.dtype).removeprefix("torch.") == dtype else out.to(getattr(torch, dtype))), residual
 

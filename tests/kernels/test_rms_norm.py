@@ -1,4 +1,5 @@
-"""fusionscope::rms_norm against its fp64 reference and against Hugging Face's LlamaRMSNorm / Gemma2RMSNorm modules."""
+"""fusionscope::rms_norm against its fp64 reference and against Hugging Face's LlamaRMSNorm / Gemma2RMSNorm modules,
+and its `weight_in_fp32` mode against Olmo2RMSNorm's `(weight * x̂).to(dtype)`."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import pytest
 import torch
 from fusionscope.kernels.rms_norm import rms_norm, rms_norm_reference
 from fusionscope.kernels.tolerances import assert_close
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
 from tests.kernels.conftest import device, poisoned, randn
 
@@ -143,6 +146,114 @@ def test_fp32_weight_on_bf16_input_promotes_like_llama() -> None:
     actual = rms_norm(x, hf.weight.detach(), EPS)
     assert actual.dtype == expected.dtype == torch.float32
     assert (ulps(actual, expected) <= 1).all()
+
+
+# ------------------------------------------------------------------------------------------- weight_in_fp32 (OLMo-2)
+
+
+def check_olmo2(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    offset: float = 0.0,
+    out: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The weight_in_fp32 mode (into `out` if given) against the fp64 reference of OLMo-2's casting: x̂·w unrounded,
+    then one rounding, compared at the tolerance of the output dtype."""
+    y = rms_norm(x, w, EPS, offset, out=out, weight_in_fp32=True, dtype=dtype)
+    if out is not None:
+        assert y is out
+    assert y.dtype == (dtype or x.dtype) and y.shape == x.shape
+    expected = rms_norm_reference(x.double(), w.double(), EPS, offset, weight_in_fp32=True)
+    assert expected.dtype == torch.float64
+    assert not y.isnan().any(), "an element was left unwritten"
+    assert_close(y, expected, y.dtype)
+    return y
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+def test_weight_in_fp32_matches_fp64_reference(shape: tuple[int, int], dtype: torch.dtype) -> None:
+    check_olmo2(randn(*shape, dtype=dtype), randn(shape[-1], dtype=dtype))
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "w_dtype", "out_dtype", "offset"),
+    [
+        ((2, 3, 1000), torch.bfloat16, torch.bfloat16, None, 0.0),
+        ((2, 3, 1000), torch.float16, torch.float32, None, 0.0),  # an fp32 weight: the result still keeps x's dtype
+        ((2, 3, 1000), torch.float32, torch.float32, torch.bfloat16, 0.0),  # fp32 x, one rounding to bf16
+        ((2, 3, 1000), torch.bfloat16, torch.bfloat16, None, 1.0),  # with Gemma's offset: (1 + w)·x̂, one rounding
+        ((1, 20000), torch.bfloat16, torch.bfloat16, None, 0.0),  # > 16384: the two-pass chunked loop
+    ],
+    ids=["bf16", "fp16-fp32w", "fp32-to-bf16", "bf16-offset", "20000-bf16-chunked"],
+)
+def test_weight_in_fp32_strided_into_poisoned_out(
+    shape: tuple[int, ...], dtype: torch.dtype, w_dtype: torch.dtype, out_dtype: torch.dtype | None, offset: float
+) -> None:
+    """Non-contiguous x (last-dim stride 2) and weight, a NaN-filled out that must be fully written."""
+    x = randn(*shape, dtype=dtype, strided=True)
+    w = randn(shape[-1], dtype=w_dtype, strided=True)
+    check_olmo2(x, w, offset, out=poisoned(shape, out_dtype or dtype), dtype=out_dtype)
+
+
+def test_weight_in_fp32_on_a_transposed_view() -> None:
+    """(B, H, S, D) transposed from (B, S, H, D): three row dims, no copy."""
+    check_olmo2(_qwen3_q("transposed", torch.bfloat16, seed=6), randn(D, dtype=torch.bfloat16, seed=7))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("shape", [(3, 1000), (2, 5, 123)], ids=_ids)
+def test_weight_in_fp32_matches_olmo2_module(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Within 1 ulp of eager `Olmo2RMSNorm` (`(weight * x̂_fp32).to(dtype)`) and bit-exact almost everywhere; the
+    Llama casting on the same inputs (x̂ rounded before the weight product) is not, so the check tells them apart."""
+    N = shape[-1]
+    hf = Olmo2RMSNorm(N, eps=EPS).to(device=device(), dtype=dtype)
+    x = randn(*shape, dtype=dtype, seed=8)
+    with torch.no_grad():
+        hf.weight.copy_(randn(N, dtype=dtype, seed=9))
+        expected = hf(x)
+    weight = hf.weight.detach()
+    assert_matches_hf(rms_norm(x, weight, EPS, weight_in_fp32=True), expected)
+    llama = rms_norm(x, weight, EPS)
+    assert (ulps(llama, expected) == 0).double().mean().item() < 0.99
+
+
+def test_weight_in_fp32_through_the_registered_op() -> None:
+    """Under a dispatch mode (make_fx, the dataflow recorder) the call is `fusionscope::rms_norm` with the mode's
+    flag in its schema, and computes the same."""
+
+    class Seen(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x, w = randn(3, 100, dtype=torch.bfloat16, seed=10), randn(100, dtype=torch.bfloat16, seed=11)
+    with Seen() as seen:
+        y = rms_norm(x, w, EPS, weight_in_fp32=True)
+    assert "fusionscope.rms_norm.default" in seen.ops
+    assert torch.equal(y, rms_norm(x, w, EPS, weight_in_fp32=True))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"dtype": torch.bfloat16}, "needs weight_in_fp32=True"),  # Llama: promote(bf16, fp32)
+        ({"weight_in_fp32": True, "dtype": torch.int32}, "fp32/fp16/bf16"),
+        ({"weight_in_fp32": True, "out": "fp32"}, "out must be a"),  # default dtype: x's (bf16), not fp32
+        ({"weight_in_fp32": True, "dtype": torch.float16, "out": "bf16"}, "out must be a"),
+    ],
+    ids=["dtype-without-mode", "int-dtype", "out-dtype", "out-not-dtype"],
+)
+def test_weight_in_fp32_bad_dtypes_raise(kwargs: dict, match: str) -> None:
+    x, w = randn(3, 100, dtype=torch.bfloat16), randn(100, dtype=torch.float32)
+    if "out" in kwargs:
+        kwargs = {**kwargs, "out": poisoned(x.shape, {"fp32": torch.float32, "bf16": torch.bfloat16}[kwargs["out"]])}
+    with pytest.raises(ValueError, match=match):
+        rms_norm(x, w, EPS, **kwargs)
 
 
 def test_empty_rows() -> None:
