@@ -125,18 +125,15 @@ def test_batches_head_dims_and_long_caches(
     check(q, k, v, _length(n), splits)
 
 
-@pytest.mark.parametrize("dot_from_group", [2, 99], ids=["dot", "multiply-sum"])
-def test_head_blocks(dot_from_group: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """More query heads per kv head than one program takes: G = 32 with 16 a program (tl.dot), or G = 8 with 4 a
-    program (multiply and sum); every head block writes its own heads."""
-    monkeypatch.setitem(SCHEDULE, "dot_from_group", dot_from_group)
-    monkeypatch.setitem(SCHEDULE, "max_group", 16 if dot_from_group == 2 else 4)
+def test_head_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More query heads per kv head than one program takes: G = 32 with 16 a program; every head block writes its own
+    heads."""
+    monkeypatch.setitem(SCHEDULE, "max_group", 16)
     monkeypatch.setitem(SCHEDULE, "splits", 2)
-    heads = 32 if dot_from_group == 2 else 8
-    assert schedule(1, heads, 1, 37, device()).head_blocks == 2
-    q = _query(1, heads, 64, torch.float32)
+    assert schedule(1, 32, 1, 37, device()).head_blocks == 2
+    q = _query(1, 32, 64, torch.float32)
     k, v = _caches(1, 1, 37, 64, 29, torch.float32)
-    check(q, k, v, _length(29), 2, out=poisoned((1, 1, heads, 64), torch.float32))
+    check(q, k, v, _length(29), 2, out=poisoned((1, 1, 32, 64), torch.float32))
 
 
 @SPLITS
