@@ -663,3 +663,22 @@ def test_smollm2_greedy_tokens_are_the_unpatched_models_for_32_tokens(smollm2: t
         fused = numerics.reference(model, ids, decode_steps=31)
     assert ref.tokens.shape[1] == 32
     assert torch.equal(fused.tokens, ref.tokens), (tokenizer.decode(fused.tokens[0]), tokenizer.decode(ref.tokens[0]))
+
+
+def test_a_module_reached_through_a_global_counts_as_the_enclosing_module() -> None:
+    """transformers ≥ 5.25 with Hugging Face's `kernels` installed makes `apply_rotary_pos_emb` a module-level
+    `nn.Module`: dynamo's module stack then ends in `G[...]`, a module outside the model's tree that the profile's
+    hooks never saw, so the rope's ops belong to the attention module the finder named."""
+    from torch import fx
+
+    from fusionscope.apply.rewrite import module_path
+
+    node = fx.Graph().placeholder("x")
+    node.meta["nn_module_stack"] = {
+        "a": ("L['self'].layers.0", nn.Module),
+        "b": ("L['self'].layers.0.self_attn", nn.Module),
+        "c": ("G['__import_transformers_dot_models_dot_llama_dot_modeling_llama'].apply_rotary_pos_emb", nn.Module),
+    }
+    assert module_path(node, "model") == "model.layers.0.self_attn"
+    node.meta["nn_module_stack"] = {"c": ("G['mod'].rotary", nn.Module)}
+    assert module_path(node, "model") == "model"

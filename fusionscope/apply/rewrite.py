@@ -119,11 +119,14 @@ class Traced:
 
 def module_path(node: fx.Node, prefix: str) -> str:
     """The qualified module path (as the profile names modules) of the innermost module around `node`'s call;
-    `prefix`: the captured module's own path ('' for the root, whose name is its class's)."""
-    stack = node.meta.get("nn_module_stack") or {}
+    `prefix`: the captured module's own path ('' for the root, whose name is its class's). A module reached through a
+    global (`G[...]`: transformers ≥ 5.25 makes `apply_rotary_pos_emb` a module-level `nn.Module` when Hugging Face's
+    `kernels` package is installed) is no part of the model's tree, which is all the profile's module hooks see, so
+    its ops count as the enclosing module's."""
+    stack = [entry[0] for entry in (node.meta.get("nn_module_stack") or {}).values() if entry[0].startswith("L[")]
     if not stack:
         return prefix
-    path = list(stack.values())[-1][0]
+    path = stack[-1]
     path = re.sub(r"^L\[[^\]]*\](\[\d+\])?", "", path)  # dynamo's name of the traced object: L['self'], L['args'][0]
     path = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path).replace("._modules.", ".")
     path = path.replace(".forward.__self__", "").strip(".")  # a forward bound on the instance names its module so
