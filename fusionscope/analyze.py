@@ -27,6 +27,7 @@ import time
 import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -35,10 +36,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from fusionscope import analysis, datasheets, merged_ranks, opportunities, ranks, roofline, trace_events
-from fusionscope.capture import MODULE_PREFIX
+from fusionscope import analysis, datasheets, merged_ranks, ranks, roofline, trace_events
 from fusionscope.errors import UsageError
-from fusionscope.execution_trace import ET_SUFFIXES
+from fusionscope.markers import MODULE_PREFIX
 from fusionscope.run_folder import (
     SCHEMA_VERSION,
     Run,
@@ -130,7 +130,7 @@ def _analyze_file(path: Path, out: str | Path | None, device: str | None, on_sta
                   execution_trace: str | Path | None, t_start: float) -> Run:  # fmt: skip
     """`analyze` of one trace file; `t_start` is when the call began (summary.json's wall time)."""
     note = on_stage or (lambda _msg: None)
-    facts, doc = parse_trace(path)
+    facts, doc = parse_trace(path, while_reading=import_catalogue)
     name = trace_name(facts.path)
     et_path = find_execution_trace(facts.path, name, execution_trace)
     out_dir = Path(out) if out is not None else default_out_dir(name)
@@ -150,12 +150,32 @@ def _analyze_file(path: Path, out: str | Path | None, device: str | None, on_sta
     note("writing the tables")
     with staged_dir(out_dir) as tmp:
         write_tables(tmp, kernels, timeline.ops)
-        opportunities.opportunities_table(summary["opportunities"]).to_csv(
-            tmp / "opportunities.csv", index=False, float_format="%.6g"
-        )
-        copy_trace(facts.path, tmp / TRACE_COPY)
-        finish_run_folder(tmp, summary, kernels, t_start, on_stage)
+        finish_folder(tmp, summary, kernels, {TRACE_COPY: facts.path}, t_start, on_stage)
     return Run(out_dir=out_dir, summary=summary, kernels=kernels)
+
+
+def import_catalogue() -> None:
+    """Import what the catalogue and the summary need: torch (through the catalogue's entries, `order_graph`'s
+    dispatcher look-ups and `device`) takes about a second, spent while another thread inflates the trace."""
+    with collector_paused(False):
+        from fusionscope import device, execution_trace, opportunities, order_graph, repeated_steps  # noqa: F401
+        from fusionscope.fusions import fusions
+
+        fusions()
+
+
+def finish_folder(tmp: Path, summary: dict, kernels: pd.DataFrame, traces: dict[str, Path], t_start: float,
+                  on_stage: Callable[[str], None] | None) -> None:  # fmt: skip
+    """The rest of the staged run folder beside its tables: opportunities.csv, a copy of each trace (file name →
+    source), summary.json and report.html."""
+    from fusionscope import opportunities
+
+    opportunities.opportunities_table(summary["opportunities"]).to_csv(
+        tmp / "opportunities.csv", index=False, float_format="%.6g"
+    )
+    for file, source in traces.items():
+        copy_trace(source, tmp / file)
+    finish_run_folder(tmp, summary, kernels, t_start, on_stage)
 
 
 @dataclass(frozen=True)
@@ -255,18 +275,30 @@ def read_trace(path: Path) -> TraceFacts:
     return parse_trace(path)[0]
 
 
-def parse_trace(path: Path) -> tuple[TraceFacts, trace_events.TraceDocument]:
-    """`read_trace`, also returning the decoded trace document (`trace_events.decode`: its events as columns)."""
+def read_bytes(path: Path) -> bytes:
+    """The trace file's bytes, inflated when it is gzipped; a damaged gzip is a UsageError."""
+    try:
+        return gzip.decompress(path.read_bytes()) if path.name.endswith(".gz") else path.read_bytes()
+    except (OSError, EOFError, zlib.error) as exc:
+        raise UsageError(f"cannot read {path}: truncated or damaged gzip ({exc})") from None
+
+
+def parse_trace(path: Path, while_reading: Callable[[], object] | None = None,
+                ) -> tuple[TraceFacts, trace_events.TraceDocument]:  # fmt: skip
+    """`read_trace`, also returning the decoded trace document (`trace_events.decode`: its events as columns).
+    `while_reading` runs while another thread reads and inflates the file (zlib releases the GIL), on the other
+    core: at a million events both take most of a second."""
     if not path.exists():
         raise UsageError(f"trace not found: {path}")
     if path.is_dir():
         raise UsageError(f"{path} is a folder: pass it to analyze() as a folder of per-rank traces")
     if not path.name.endswith((".json", ".json.gz")):
         raise UsageError(f"{path} is not a .json or .json.gz trace file")
-    try:
-        raw = gzip.decompress(path.read_bytes()) if path.name.endswith(".gz") else path.read_bytes()
-    except (OSError, EOFError, zlib.error) as exc:
-        raise UsageError(f"cannot read {path}: truncated or damaged gzip ({exc})") from None
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        reading = pool.submit(read_bytes, path)
+        if while_reading is not None:
+            while_reading()
+        raw = reading.result()
     try:
         with collector_paused():
             doc = trace_events.decode(raw)
@@ -276,11 +308,12 @@ def parse_trace(path: Path) -> tuple[TraceFacts, trace_events.TraceDocument]:
     events = doc.events
     if events is None:
         raise UsageError(f"{path} is not a torch.profiler trace (no traceEvents)")
-    if not any(c in EVENT_CATS and p == "X" for c, p in zip(events.cat, events.ph)):
+    complete = events.ph == "X"
+    if not (complete & events.cats.isin(EVENT_CATS)).any():
         raise UsageError(f"{path} holds no profiled ops or kernels (an empty trace)")
-    kernels = [i for i, (c, p) in enumerate(zip(events.cat, events.ph)) if c == "kernel" and p == "X"]
-    used = events.arg_columns(["device"], np.asarray(kernels, dtype=np.int64))["device"].tolist()
-    cats = set(events.cat)
+    kernels = np.flatnonzero(complete & events.cats.isin(("kernel",)))
+    used = events.arg_columns(["device"], kernels)["device"].tolist()
+    cats = set(events.cats.uniques.tolist())
     facts = TraceFacts(path=path, gpu_name=_gpu_name(doc.device_properties, used),
                        device_kind="cuda" if cats & set(GPU_CATS) else "cpu",
                        has_stacks=bool(cats & set(STACK_CATS)))  # fmt: skip
@@ -288,18 +321,26 @@ def parse_trace(path: Path) -> tuple[TraceFacts, trace_events.TraceDocument]:
 
 
 @contextmanager
-def collector_paused() -> Iterator[None]:
+def collector_paused(paused: bool = True) -> Iterator[None]:
     """Pause the cyclic garbage collector while a trace becomes millions of small objects that hold no cycles:
     each collection it triggers walks all of them: `json.loads` of a 1M-event trace took 25.3 s with it running, 8.6 s
     without (2-core CPU, 2026-12-01). `analyze` pauses it for the whole run: re-enabled between stages, the first
-    full collection after each walked every object still alive."""
+    full collection after each walked every object still alive. With `paused` False, it runs meanwhile: an import
+    (`import_catalogue`) makes few objects but many cycles, and with the collector paused all of its objects would
+    still be young at the run's end, where the first collection walked them (0.3 s)."""
     was = gc.isenabled()
-    gc.disable()
+    _collector(not paused)
     try:
         yield
     finally:
-        if was:
-            gc.enable()
+        _collector(was)
+
+
+def _collector(running: bool) -> None:
+    if running:
+        gc.enable()
+    else:
+        gc.disable()
 
 
 def _gpu_name(properties: object, devices: list) -> str | None:
@@ -534,13 +575,22 @@ def fused_kernel_status(kernels: pd.DataFrame, opportunities: list[dict]) -> dic
 def dominant_dtype(ops: pd.DataFrame) -> str | None:
     """The float dtype most ops compute in (`roofline.op_dtype` of their recorded input types); None without
     shapes."""
-    memo: dict[int, str | None] = {}  # by identity: the lists stay alive in `ops`, and `trace_events` shares them
     listed = ops["input_type"].tolist()
-    for t in listed:
-        if id(t) not in memo:
-            memo[id(t)] = roofline.op_dtype(t)
-    dtypes = pd.Series([memo[id(t)] for t in listed], dtype=object).dropna()
+    codes, first = distinct_objects(listed)  # by identity: `trace_events` shares equal lists
+    per_object = np.empty(len(first), dtype=object)
+    per_object[:] = [roofline.op_dtype(listed[i]) for i in first.tolist()]
+    dtypes = pd.Series(per_object[codes], dtype=object).dropna()
     return str(dtypes.mode().iat[0]) if len(dtypes) else None
+
+
+def distinct_objects(listed: list) -> tuple[np.ndarray, np.ndarray]:
+    """Each value's code among the distinct objects (by identity, whatever they hold: lists too), and the place of
+    each one's first occurrence: what is computed per object is then computed once."""
+    ids = np.fromiter(map(id, listed), dtype=np.int64, count=len(listed))
+    codes, uniques = pd.factorize(ids)
+    first = np.empty(len(uniques), dtype=np.int64)
+    first[codes[::-1]] = np.arange(len(listed) - 1, -1, -1)
+    return codes, first
 
 
 def write_tables(folder: Path, kernels: pd.DataFrame, ops: pd.DataFrame) -> None:
@@ -553,17 +603,23 @@ def write_csv(frame: pd.DataFrame, path: Path) -> None:
     """`frame.to_csv(path, index=False, float_format="%.6g")`, byte for byte, in a fraction of its time: each column
     becomes the fields pandas would write (`_csv_fields`: floats formatted in one pass, each distinct object of an
     object column formatted and quoted once: the ops' shape lists and the names are shared objects, `trace_events`),
-    joined into lines by `str.join` rather than `csv.writer`, which scans every character of every field. A frame of
-    one column (whose empty fields `csv` quotes) or with a column of any other dtype is left to pandas."""
-    columns = [_csv_fields(frame.iloc[:, j]) for j in range(frame.shape[1])] if frame.shape[1] > 1 else [None]
+    joined into lines by `str.join` rather than `csv.writer`, which scans every character of every field; `CSV_ROWS`
+    rows at a time, as the text of a million-event trace's tables is hundreds of MB. A frame of one column (whose
+    empty fields `csv` quotes) or with a column of any other dtype is left to pandas."""
+    columns = [_csv_fields(frame.iloc[:0, j]) for j in range(frame.shape[1])] if frame.shape[1] > 1 else [None]
     if any(c is None for c in columns):
         frame.to_csv(path, index=False, float_format="%.6g")
         return
     header = ",".join(_csv_quoted(label if isinstance(label, str) else _csv_text(label)) for label in frame.columns)
     with open(path, "w", newline="", encoding="utf-8") as f:
         f.write(header + "\n")
-        if len(frame):
+        for start in range(0, len(frame), CSV_ROWS):
+            part = frame.iloc[start : start + CSV_ROWS]
+            columns = [_csv_fields(part.iloc[:, j]) for j in range(part.shape[1])]
             f.write("\n".join(map(",".join, zip(*columns))) + "\n")
+
+
+CSV_ROWS = 1 << 16  # rows of a table formatted and written at a time
 
 
 FLOAT_FIELD = "%.6g".__mod__  # pandas' float_format="%.6g"
@@ -585,12 +641,9 @@ def _csv_fields(column: pd.Series) -> list[str] | None:
     if kind != "O" or not isinstance(column.dtype, np.dtype):
         return None
     listed = values.tolist()
-    ids = np.fromiter(map(id, listed), dtype=np.int64, count=len(listed))  # each object once, whatever it holds
-    codes, uniques = pd.factorize(ids)
-    if len(uniques) > 1000 and pd.api.types.infer_dtype(values, skipna=False) == "string":
+    codes, first = distinct_objects(listed)  # each object once, whatever it holds
+    if len(first) > 1000 and pd.api.types.infer_dtype(values, skipna=False) == "string":
         return _by_distinct(values, _csv_quoted)  # many string objects of few values (`bound`, `module`): by value
-    first = np.empty(len(uniques), dtype=np.int64)
-    first[codes[::-1]] = np.arange(len(listed) - 1, -1, -1)
     fields = [_csv_quoted(v) if type(v) is str else _csv_quoted(_csv_text(v)) for v in map(listed.__getitem__, first)]
     return np.asarray(fields, dtype=object)[codes].tolist() if fields else []
 
@@ -691,21 +744,18 @@ def analyze_ranks(
         for entry in [*summary["ranks"]["files"].values(), summary["trace"]]:
             entry["path"] = summary["ranks"]["merged_from"]
     note("writing the tables")
+    copies = {TRACE_COPY: first.facts.path, **{RANK_COPY.format(rank=rt.rank): rt.facts.path for rt in traces[1:]}}
     with staged_dir(out_dir) as tmp:
         write_tables(tmp, kernels, ops)
-        opportunities.opportunities_table(summary["opportunities"]).to_csv(
-            tmp / "opportunities.csv", index=False, float_format="%.6g"
-        )
-        copy_trace(first.facts.path, tmp / TRACE_COPY)
-        for rt in traces[1:]:
-            copy_trace(rt.facts.path, tmp / RANK_COPY.format(rank=rt.rank))
-        finish_run_folder(tmp, summary, kernels, t_start, on_stage)
+        finish_folder(tmp, summary, kernels, copies, t_start, on_stage)
     return Run(out_dir=out_dir, summary=summary, kernels=kernels)
 
 
 def rank_files(paths: str | Path | list[str | Path]) -> list[Path]:
     """The trace files of a folder (sorted, not recursive; execution traces, `*.et.json[.gz]`, are not ranks) or the
     given list; a folder without any is refused."""
+    from fusionscope.execution_trace import ET_SUFFIXES
+
     if isinstance(paths, list | tuple):
         if not paths:
             raise UsageError("no trace files given")

@@ -1,7 +1,7 @@
 """The `Timeline` of a trace document already decoded (`analyze` reads and checks the file once), without HTA's
 second read and decode of the same file.
 
-`decode` turns the file's bytes into `EventColumns`: one list per field the analysis reads (`ph`, `cat`, `name`,
+`decode` turns the file's bytes into `EventColumns`: one array per field the analysis reads (`ph`, `cat`, `name`,
 `tid`, `ts`, `dur` and the arguments `trace._parser_config` asks for, with HTA's defaults), not a dict per event.
 With msgspec installed it decodes straight into typed structs that skip every other field, and each distinct
 argument list (`Input Dims`, `Input type`, `Concrete Inputs`, `grid`, `block`) becomes one shared Python object: a
@@ -11,11 +11,12 @@ bad input, whose error `json` names), it falls back to the standard library's `j
 
 From the columns it builds the frame HTA's parser builds — one row per complete event (`dur` and `cat` present,
 `Trace` dropped), `index` its position in `traceEvents`, timestamps from the earliest event, `index_correlation`
-linking each launch to its kernel — and hands it to the same join `trace.load_timeline` uses (`trace._join_rank`),
-so both give the same tables (tests/test_analyze_events.py checks it on every fixture) but for one difference: with
-two or more `ProfilerStep` ranges HTA's parser drops the GPU events whose launch is not in the trace (launched
-before the profiler started), and here they stay (joined to an op by `External id` where the trace holds it, else to
-none), so that every GPU event is in the kernels table exactly once. Every number is read by `trace_fields` (hex
+linking each launch to its kernel; each argument read only on the rows whose table reads it (`_arg_rows`) — and
+hands it to the same join `trace.load_timeline` uses (`trace._join_rank`), so both give the same tables
+(tests/test_analyze_events.py checks it on every fixture) but for one difference: with two or more `ProfilerStep`
+ranges HTA's parser drops the GPU events whose launch is not in the trace (launched before the profiler started),
+and here they stay (joined to an op by `External id` where the trace holds it, else to none), so that every GPU
+event is in the kernels table exactly once. Every number is read by `trace_fields` (hex
 strings, numbers as strings, missing values; a time no number reads drops the event). It also returns the
 `user_annotation` ranges the join does not keep (`Optimizer.step#…`), for telling a training step's phases apart.
 """
@@ -27,8 +28,9 @@ import gzip
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import compress, repeat
-from operator import attrgetter, is_, is_not, ne
+from functools import cached_property
+from itertools import repeat
+from operator import attrgetter, is_, is_not
 from pathlib import Path
 from typing import Any
 
@@ -59,53 +61,52 @@ SYNC_EVENTS = ("Event Sync", "Context Sync")  # on stream -1, yet GPU events to 
 
 @dataclass
 class EventColumns:
-    """A trace's `traceEvents` as columns, one entry per event in file order (None where an event lacks the field),
-    and each event's `args` (a dict, msgspec's struct or None), whose columns `arg_columns` reads for the rows
-    asked for."""
+    """A trace's `traceEvents` as columns, one object array per field with an entry per event in file order (None
+    where an event lacks the field), and each event's `args` (a dict or None; or msgspec's struct, every default
+    where the event has none), whose columns `arg_columns` reads for the rows asked for."""
 
-    ph: Sequence
-    cat: Sequence
-    name: Sequence
-    tid: Sequence
-    ts: Sequence
-    dur: Sequence
-    args: Sequence
+    ph: np.ndarray
+    cat: np.ndarray
+    name: np.ndarray
+    tid: np.ndarray
+    ts: np.ndarray
+    dur: np.ndarray
+    args: np.ndarray
     structs: bool = False  # `args` holds msgspec structs (`_decoder`), not JSON dicts
 
     def __len__(self) -> int:
         return len(self.cat)
 
+    @cached_property
+    def cats(self) -> trace.Labels:
+        """The categories as `trace.Labels`: what `analyze` checks and the join selects rows by."""
+        return trace.Labels.of(self.cat)
+
     @classmethod
     def from_dicts(cls, events: list) -> EventColumns:
         """The columns of JSON-decoded events; anything but a dict is an event without fields."""
         rows = [e if isinstance(e, dict) else {} for e in events]
-        return cls(*([e.get(f) for e in rows] for f in (*EVENT_FIELDS, "args")))
+        return cls(*(_objects([e.get(f) for e in rows]) for f in (*EVENT_FIELDS, "args")))
 
     def arg_columns(self, columns: Sequence[str], rows: np.ndarray) -> dict[str, np.ndarray]:
         """Argument columns (of `ARGS` and `EXTRA_ARGS`) of the events at `rows`, each an object array with HTA's
         default where an event lacks the argument (`args` that is not a dict holds none)."""
-        picked = _pick(self.args, rows)
+        picked = self.args[rows]
         if not self.structs:
-            given = [a if isinstance(a, dict) else {} for a in picked]
+            given = [a if isinstance(a, dict) else {} for a in picked.tolist()]
             return {c: _objects([a.get(ARG_KEYS[c][0], ARG_KEYS[c][1]) for a in given]) for c in columns}
-        none, raw_default = _DECODER[1], _DECODER[2]
-        missing = np.fromiter(map(is_, picked, repeat(None)), dtype=bool, count=len(picked))
-        picked[missing] = none
+        listed = picked.tolist()  # a list iterates faster than an object array
         out = {}
         for c in columns:
-            values = list(map(attrgetter(c), picked))
-            out[c] = _shared(values, raw_default[c], ARG_KEYS[c][1]) if c in raw_default else _objects(values)
+            values = list(map(attrgetter(c), listed))
+            out[c] = _shared(values) if c in LIST_ARGS else _objects(values)
         return out
 
     def dicts(self) -> list[dict]:
         """The events as dicts of their top-level fields (those not None), for code written over decoded JSON."""
+        fields = (self.ph, self.cat, self.name, self.tid, self.ts, self.dur)
         return [{k: v for k, v in zip(EVENT_FIELDS, values) if v is not None}
-                for values in zip(self.ph, self.cat, self.name, self.tid, self.ts, self.dur)]  # fmt: skip
-
-
-def _pick(values: Sequence, rows: np.ndarray) -> np.ndarray:
-    """values[rows] as an object array."""
-    return (values if isinstance(values, np.ndarray) else _objects(values))[rows]
+                for values in zip(*(f.tolist() for f in fields))]  # fmt: skip
 
 
 def _objects(values: Sequence) -> np.ndarray:
@@ -145,7 +146,7 @@ def from_json(doc: object) -> TraceDocument:
     return TraceDocument(doc.get("deviceProperties"), doc.get("distributedInfo"), columns)
 
 
-_DECODER: list = []  # msgspec's decoder, an args struct with every default, the raw defaults of LIST_ARGS
+_DECODER: list = []  # msgspec's decoder, and an args struct with every default
 
 
 def _decoder() -> Any:
@@ -155,34 +156,32 @@ def _decoder() -> Any:
         specs = (*ARGS, *EXTRA_ARGS)
         raw_default = {c: msgspec.Raw(json.dumps(d).encode()) for c, _k, d in specs if c in LIST_ARGS}
         fields = [(c, msgspec.Raw, raw_default[c]) if c in LIST_ARGS else (c, Any, d) for c, _k, d in specs]
-        args = msgspec.defstruct("TraceArgs", fields, rename={c: k for c, k, _d in specs})
-        event = msgspec.defstruct("TraceEvent", [*((f, Any, None) for f in EVENT_FIELDS), ("args", args | None, None)])
+        args = msgspec.defstruct("TraceArgs", fields, rename={c: k for c, k, _d in specs}, gc=False)
+        fields = [*((f, Any, None) for f in EVENT_FIELDS), ("args", args | None, None)]
+        event = msgspec.defstruct("TraceEvent", fields, gc=False)  # no cycles: untracked, faster to make and free
         doc = msgspec.defstruct(
             "TraceDoc", [("traceEvents", list[event]), ("deviceProperties", Any, None), ("distributedInfo", Any, None)]
         )
-        _DECODER.extend([msgspec.json.Decoder(doc), args(), raw_default])
+        _DECODER.extend([msgspec.json.Decoder(doc), args()])
     return _DECODER[0]
 
 
 def _from_structs(events: list) -> EventColumns:
     """Columns of msgspec's event structs, each read by a C-level attribute getter, not a Python loop."""
-    return EventColumns(*(list(map(attrgetter(f), events)) for f in (*EVENT_FIELDS, "args")), structs=True)
+    n = len(events)
+    columns = [np.fromiter(map(attrgetter(f), events), dtype=object, count=n) for f in (*EVENT_FIELDS, "args")]
+    args = columns[-1]
+    args[np.fromiter(map(is_, args, repeat(None)), dtype=bool, count=n)] = _DECODER[1]  # no args: every default
+    return EventColumns(*columns, structs=True)
 
 
-def _shared(raws: list, default_raw: object, default: object) -> np.ndarray:
+def _shared(raws: list) -> np.ndarray:
     """Decode raw JSON values, each distinct text once (by `json`, as the fallback decodes it), into one shared
-    object; events without the argument (msgspec's default, the same object every time) get HTA's default."""
-    n = len(raws)
-    out = np.empty(n, dtype=object)
-    own = np.fromiter(map(id, raws), dtype=np.uint64, count=n) != np.uint64(id(default_raw))
-    out[~own] = default
-    if own.any():
-        codes, uniques = pd.factorize(_objects(list(map(bytes, compress(raws, own.tolist())))))
-        decoded = np.empty(len(uniques), dtype=object)
-        for i, text in enumerate(uniques):
-            decoded[i] = json.loads(text)
-        out[own] = decoded[codes]
-    return out
+    object. An event without the argument holds msgspec's default, HTA's default as JSON text (`_decoder`)."""
+    codes, uniques = pd.factorize(_objects(list(map(bytes, raws))))
+    decoded = np.empty(len(uniques), dtype=object)
+    decoded[:] = [json.loads(text) for text in uniques.tolist()]
+    return decoded[codes]
 
 
 def _interned(values: np.ndarray) -> tuple[np.ndarray, trace.Labels]:
@@ -208,7 +207,8 @@ def _tids(values: np.ndarray) -> np.ndarray:
 
 def events_frame(events: EventColumns | list) -> pd.DataFrame:
     """HTA's event frame of a trace's `traceEvents` (names and categories as strings, not symbol ids): one row per
-    event with `dur` and a category other than `Trace`. `events`: columns, or the decoded JSON list."""
+    event with `dur` and a category other than `Trace`, each argument read where a table reads it and HTA's default
+    elsewhere (`_arg_rows`). `events`: columns, or the decoded JSON list."""
     return pd.DataFrame(event_columns(events))
 
 
@@ -220,21 +220,54 @@ def event_columns(events: EventColumns | list) -> dict[str, np.ndarray]:
 def _event_columns(events: EventColumns | list) -> tuple[dict[str, np.ndarray], tuple[trace.Labels, trace.Labels]]:
     """`event_columns`, and the `trace.Labels` of names and categories."""
     cols = events if isinstance(events, EventColumns) else EventColumns.from_dicts(events)
-    n = len(cols)
-    timed = np.fromiter(map(is_not, cols.dur, repeat(None)), dtype=bool, count=n)
-    timed &= np.fromiter(map(is_not, cols.cat, repeat(None)), dtype=bool, count=n)
-    timed &= np.fromiter(map(ne, cols.cat, repeat("Trace")), dtype=bool, count=n)
-    keep = np.flatnonzero(timed)
-    ts, dur = float_array(_pick(cols.ts, keep)), float_array(_pick(cols.dur, keep))
+    keep = _timed(cols)
+    ts, dur = float_array(cols.ts[keep]), float_array(cols.dur[keep])
     complete = np.isfinite(ts) & np.isfinite(dur)  # a time that is no number: not a complete event
     if not complete.all():
         keep, ts, dur = keep[complete], ts[complete], dur[complete]
-    (name, names), (cat, cats) = _interned(_pick(cols.name, keep)), _interned(_pick(cols.cat, keep))
-    out = {"index": keep, "name": name, "cat": cat, "tid": _tids(_pick(cols.tid, keep)),
+    (name, names), (cat, cats) = _interned(cols.name[keep]), _interned_cats(cols, keep)
+    out = {"index": keep, "name": name, "cat": cat, "tid": _tids(cols.tid[keep]),
            "ts": ts - ts.min() if len(ts) else ts, "dur": dur}  # fmt: skip
-    for column, values in cols.arg_columns([c for c, _k, _d in ARGS], keep).items():
-        out[column] = int_array(values, ARG_KEYS[column][1]) if column in INT_ARGS else values
+    for columns, where in _arg_rows(cats):
+        rows = np.flatnonzero(where) if where is not None else None
+        for column, values in cols.arg_columns(columns, keep if rows is None else keep[rows]).items():
+            default = ARG_KEYS[column][1]
+            values = int_array(values, default) if column in INT_ARGS else values
+            if rows is not None:
+                full = np.empty(len(keep), dtype=values.dtype)
+                full.fill(default)  # one shared object, where np.full would make one per row
+                full[rows] = values
+                values = full
+            out[column] = values
     return out, (names, cats)
+
+
+def _timed(cols: EventColumns) -> np.ndarray:
+    """The rows of events with a `dur` and a category other than `Trace` (HTA's complete events)."""
+    timed = np.fromiter(map(is_not, cols.dur, repeat(None)), dtype=bool, count=len(cols))
+    timed &= ~cols.cats.isin(("Trace",))
+    unlabelled = np.flatnonzero(timed & (cols.cats.codes < 0))  # None, or a value factorizing takes for missing
+    timed[unlabelled] = np.fromiter(map(is_not, cols.cat[unlabelled], repeat(None)), dtype=bool, count=len(unlabelled))
+    return np.flatnonzero(timed)
+
+
+def _interned_cats(cols: EventColumns, keep: np.ndarray) -> tuple[np.ndarray, trace.Labels]:
+    """`_interned` of the categories at `keep`, from the categories' `Labels` where every one is a string."""
+    cats = cols.cats.take(keep)
+    if (cats.codes < 0).any() or not all(isinstance(u, str) for u in cats.uniques.tolist()):
+        return _interned(cols.cat[keep])
+    return cats.uniques[cats.codes], cats
+
+
+def _arg_rows(cats: trace.Labels) -> list[tuple[tuple[str, ...], np.ndarray | None]]:
+    """Each argument column with the rows whose table reads it (None: every row; elsewhere it holds its default):
+    an op's shapes and record id are read only for ops, a launch configuration only for GPU events, `stream` only
+    off the CPU (`_on_gpu`). Reading an argument costs a pass over its rows' Python objects: at a million events,
+    reading every argument on every row took over a second."""
+    ops, gpu = cats.isin(("cpu_op",)), cats.isin(trace.GPU_CATS)
+    return [(("correlation",), None), (("stream",), ~cats.isin(trace.CPU_CATS)), (("external_id",), ops | gpu),
+            (("input_dims", "input_type", "concrete_inputs", "record_id"), ops),
+            (("grid", "block", "registers_per_thread", "shared_memory", "bytes"), gpu)]  # fmt: skip
 
 
 @dataclass
