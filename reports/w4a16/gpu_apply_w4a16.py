@@ -4,7 +4,7 @@ figure on the same workload; and the quantisation's own error against the bf16 m
 
 Usage, from the repository root on the GPU machine (fusionscope installed or on the path, one GPU):
     python3 reports/w4a16/gpu_apply_w4a16.py OUT
-Runs, one after another, each `fusionscope apply` in its own process under what is left of a 230 s budget
+Runs, one after another, each `fusionscope apply` in its own process under what is left of a 420 s budget
 (`W4A16_BUDGET_S`) (a run
 that would pass it is stopped and recorded as such; the runs before it keep their folders):
     OUT/<run>/                  the run folder `apply` writes (summary.json, apply.csv, report.html, ...)
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-BUDGET_S = float(os.environ.get("W4A16_BUDGET_S", "230"))
+BUDGET_S = float(os.environ.get("W4A16_BUDGET_S", "420"))
 WORKLOAD = ["--prompt-len", "128", "--decode-steps", "16", "--repeats", "3", "--graphs"]
 TOGETHER = ["--graphs-only", "--graphs-together"]  # the 8B runs: eager and graphs unpatched and all together only
 RUNS = {  # name: apply arguments; the target's run first, so a stop at the budget keeps it
