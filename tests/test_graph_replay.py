@@ -91,6 +91,19 @@ def test_breakdown_keeps_the_largest_rows_and_sums_the_rest() -> None:
     assert rows[-1]["us"] == pytest.approx(sum(range(1, 5))) and rows[-1]["count"] == 4
 
 
+def test_by_kernel_sums_a_compiled_steps_kernels_per_name_largest_first(monkeypatch) -> None:
+    """A compiled peer's step has no eager twin to cost it by: its kernels are summed per name, largest first, and
+    beyond `TOP_ROWS` the rest is one row, so counts and time still add up to the step's."""
+    monkeypatch.setattr(replay, "TOP_ROWS", 2)
+    events = pd.DataFrame({"name": ["mm", "norm", "mm", "add", "copy", "norm"], "cat": ["kernel"] * 6,
+                           "ts_us": [0.0, 5, 6, 9, 10, 12], "dur_us": [4.0, 1, 3, 0.5, 0.25, 1.5]})  # fmt: skip
+    rows = replay.by_kernel(events)
+    summed = [(r["kernel"], r["count"], r["us"]) for r in rows]
+    assert summed == [("mm", 2, 7.0), ("norm", 2, 2.5), ("(2 more)", 2, 0.75)]
+    assert sum(r["share"] for r in rows) == pytest.approx(1.0)
+    assert replay.by_kernel(events.iloc[:0]) == []
+
+
 def test_the_eager_step_of_a_static_decoder_is_costed_op_by_op_on_the_cpu(tmp_path) -> None:
     """On a CPU the eager step's 'kernels' are its ops (self time): the costing path a GPU breakdown takes, run whole;
     the step's state is put back by the caller, as `run_graphs` does by never reusing a profiled decoder."""

@@ -29,8 +29,8 @@ import pandas as pd
 from fusionscope.gpu_replay import GPU_CATS, gpu_events, profile_gpu, replay_figures
 from fusionscope.roofline import classify_against
 
-__all__ = ["GPU_CATS", "TOP_ROWS", "aligned", "breakdown", "gpu_events", "profile_eager_kernels", "profile_gpu",
-           "replay_figures", "replay_profile"]  # fmt: skip
+__all__ = ["GPU_CATS", "TOP_ROWS", "aligned", "breakdown", "by_kernel", "gpu_events", "profile_eager_kernels",
+           "profile_gpu", "replay_figures", "replay_profile"]  # fmt: skip
 
 TOP_ROWS = 25  # rows of the per-kernel breakdown kept in summary.json (the rest summed as one row)
 
@@ -163,4 +163,23 @@ def replay_profile(replay: Callable[[], Any], eager: Callable[[], Any] | None, m
         if eager is not None:
             table = aligned(profile_eager_kernels(eager, model, folder, roofs), events)
             out["breakdown"] = breakdown(table, roofs)
+        else:
+            out["by_kernel"] = by_kernel(events)
     return out
+
+
+def by_kernel(events: pd.DataFrame) -> list[dict[str, Any]]:
+    """A step's GPU work per kernel name: count and µs, largest first, `TOP_ROWS` kept (the rest as one row). For
+    the compiled peers, which have no eager step to cost their kernels by: this is what says where their time goes
+    when fused + compile and compile alone differ."""
+    if events.empty:
+        return []
+    grouped = events.groupby("name", sort=False)["dur_us"].agg(["size", "sum"]).sort_values("sum", ascending=False)
+    total = float(grouped["sum"].sum())
+    rows = [{"kernel": str(name), "count": int(n), "us": float(us), "share": float(us) / total if total else None}
+            for name, n, us in zip(grouped.index, grouped["size"], grouped["sum"])]  # fmt: skip
+    kept, rest = rows[:TOP_ROWS], rows[TOP_ROWS:]
+    if rest:
+        kept.append({"kernel": f"({len(rest)} more)", "count": sum(r["count"] for r in rest),
+                     "us": sum(r["us"] for r in rest), "share": sum(r["share"] or 0.0 for r in rest)})  # fmt: skip
+    return kept
