@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -36,3 +37,16 @@ def poisoned(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.T
 @pytest.fixture(params=DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def dtype(request: pytest.FixtureRequest) -> torch.dtype:
     return request.param
+
+
+class SeenOps(TorchDispatchMode):
+    """Records the name of every op dispatched while it is active (`ops`): whether a kernel call goes through its
+    registered `fusionscope::` op under a dispatch mode (make_fx, the dataflow recorder)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))

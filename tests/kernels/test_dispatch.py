@@ -13,9 +13,8 @@ from fusionscope.kernels.dispatch import LeanKernel, Tunables, _spec, knobs, lau
 from fusionscope.kernels.rms_norm import rms_norm, rms_norm_reference
 from fusionscope.kernels.tolerances import assert_close
 from torch._library.triton import is_wrap_triton_enabled
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.kernels.conftest import device
+from tests.kernels.conftest import SeenOps, device
 
 
 def test_eager_launchers_run_without_the_wrap_triton_dispatch() -> None:
@@ -37,23 +36,13 @@ def test_the_switch_is_restored_when_a_launcher_raises() -> None:
     assert is_wrap_triton_enabled() == before
 
 
-class _Seen(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 def test_under_a_dispatch_mode_calls_go_through_the_op(monkeypatch: pytest.MonkeyPatch) -> None:
     """make_fx, FakeTensorMode and the dataflow recorder are dispatch modes: there the kernel must be the
     registered op (which they can see and trace), never a raw launch behind their back."""
     monkeypatch.setattr(dispatch, "_PLANS", {})  # on a GPU the plain call below records a plan: keep it local
     x = torch.randn(3, 40, device=device())
     weight = torch.rand(40, device=device()) + 0.5
-    with _Seen() as seen:
+    with SeenOps() as seen:
         out = rms_norm(x, weight, 1e-6)
     assert "fusionscope.rms_norm.default" in seen.ops
     assert_close(out, rms_norm_reference(x.double(), weight.double(), 1e-6), torch.float32)

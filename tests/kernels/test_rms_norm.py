@@ -9,12 +9,11 @@ import pytest
 import torch
 from fusionscope.kernels.rms_norm import rms_norm, rms_norm_reference
 from fusionscope.kernels.tolerances import assert_close
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
-from tests.kernels.conftest import device, poisoned, randn
+from tests.kernels.conftest import SeenOps, device, poisoned, randn
 
 EPS = 1e-6
 SHAPES = [(1, 123), (3, 1000), (17, 4097)]  # rows 1, 3, 17; odd and non-power-of-two widths
@@ -126,14 +125,20 @@ def assert_matches_hf(actual: torch.Tensor, expected: torch.Tensor) -> None:
 @pytest.mark.parametrize("shape", [(3, 1000), (B, S, H, D)], ids=_ids)
 @pytest.mark.parametrize("module", [LlamaRMSNorm, Gemma2RMSNorm], ids=["llama", "gemma2"])
 def test_matches_hf_module(module: type[torch.nn.Module], shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    N = shape[-1]
-    hf = module(N, eps=EPS).to(device=device(), dtype=dtype)
-    x = randn(*shape, dtype=dtype, seed=2)
-    with torch.no_grad():
-        hf.weight.copy_(randn(N, dtype=dtype, seed=3))
-        expected = hf(x)
+    x, weight, expected = hf_norm(module, shape, dtype, seed=2)
     offset = 1.0 if module is Gemma2RMSNorm else 0.0
-    assert_matches_hf(rms_norm(x, hf.weight.detach(), EPS, offset), expected)
+    assert_matches_hf(rms_norm(x, weight, EPS, offset), expected)
+
+
+def hf_norm(module: type[torch.nn.Module], shape: tuple[int, ...], dtype: torch.dtype,
+            seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(x, weight, the Hugging Face norm's output): `module` over the last dim of `shape`, with a random weight."""
+    hf = module(shape[-1], eps=EPS).to(device=device(), dtype=dtype)
+    x = randn(*shape, dtype=dtype, seed=seed)
+    with torch.no_grad():
+        hf.weight.copy_(randn(shape[-1], dtype=dtype, seed=seed + 1))
+        expected = hf(x)
+    return x, hf.weight.detach(), expected
 
 
 def test_fp32_weight_on_bf16_input_promotes_like_llama() -> None:
@@ -206,13 +211,7 @@ def test_weight_in_fp32_on_a_transposed_view() -> None:
 def test_weight_in_fp32_matches_olmo2_module(shape: tuple[int, ...], dtype: torch.dtype) -> None:
     """Within 1 ulp of eager `Olmo2RMSNorm` (`(weight * x̂_fp32).to(dtype)`) and bit-exact almost everywhere; the
     Llama casting on the same inputs (x̂ rounded before the weight product) is not, so the check tells them apart."""
-    N = shape[-1]
-    hf = Olmo2RMSNorm(N, eps=EPS).to(device=device(), dtype=dtype)
-    x = randn(*shape, dtype=dtype, seed=8)
-    with torch.no_grad():
-        hf.weight.copy_(randn(N, dtype=dtype, seed=9))
-        expected = hf(x)
-    weight = hf.weight.detach()
+    x, weight, expected = hf_norm(Olmo2RMSNorm, shape, dtype, seed=8)
     assert_matches_hf(rms_norm(x, weight, EPS, weight_in_fp32=True), expected)
     llama = rms_norm(x, weight, EPS)
     assert (ulps(llama, expected) == 0).double().mean().item() < 0.99
@@ -222,17 +221,8 @@ def test_weight_in_fp32_through_the_registered_op() -> None:
     """Under a dispatch mode (make_fx, the dataflow recorder) the call is `fusionscope::rms_norm` with the mode's
     flag in its schema, and computes the same."""
 
-    class Seen(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     x, w = randn(3, 100, dtype=torch.bfloat16, seed=10), randn(100, dtype=torch.bfloat16, seed=11)
-    with Seen() as seen:
+    with SeenOps() as seen:
         y = rms_norm(x, w, EPS, weight_in_fp32=True)
     assert "fusionscope.rms_norm.default" in seen.ops
     assert torch.equal(y, rms_norm(x, w, EPS, weight_in_fp32=True))
