@@ -76,7 +76,7 @@ fi
 
 if [[ ",$set_name," == *",w4a16apply,"* ]]; then
   # apply --quantize w4 --graphs on llama-3.2-1b and llama-3.1-8b beside the bf16 8B (reports/w4a16/README.md).
-  (cd "$work" && W4A16_BUDGET_S=${W4A16_BUDGET_S:-420} timeout $((${W4A16_BUDGET_S:-420} + 20)) python3 "$repo/reports/w4a16/gpu_apply_w4a16.py" "$work/w4a16apply") 2>&1 | tail -40
+  (cd "$work" && W4A16_RUNS=${W4A16_RUNS:-} W4A16_BUDGET_S=${W4A16_BUDGET_S:-420} timeout $((${W4A16_BUDGET_S:-420} + 20)) python3 "$repo/reports/w4a16/gpu_apply_w4a16.py" "$work/w4a16apply") 2>&1 | tail -40
   cp "$work/w4a16apply/w4a16_apply.json" "$out/" 2>/dev/null
   (cd "$work/w4a16apply" && tar czf "$out/w4a16apply.tgz" --exclude='*.html' --exclude='*.json.gz' --exclude=kernels.csv --exclude=ops.csv .) 2>/dev/null
 fi

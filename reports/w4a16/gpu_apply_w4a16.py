@@ -6,7 +6,8 @@ Usage, from the repository root on the GPU machine (fusionscope installed or on 
     python3 reports/w4a16/gpu_apply_w4a16.py OUT
 Runs, one after another, each `fusionscope apply` in its own process under what is left of a 420 s budget
 (`W4A16_BUDGET_S`) (a run
-that would pass it is stopped and recorded as such; the runs before it keep their folders):
+that would pass it is stopped and recorded as such; the runs before it keep their folders); `W4A16_RUNS` (names,
+comma-separated) runs only those of them:
     OUT/<run>/                  the run folder `apply` writes (summary.json, apply.csv, report.html, ...)
     OUT/<run>.log               its terminal output, as it goes
     OUT/w4a16_apply.json        {"meta", "runs": {run: key figures or why none}}, rewritten after each run
@@ -34,6 +35,9 @@ RUNS = {  # name: apply arguments; the target's run first, so a stop at the budg
     "llama-3.1-8b-bf16": ["llama-3.1-8b", *WORKLOAD, *TOGETHER],
     "llama-3.2-1b-w4": ["llama-3.2-1b", "--quantize", "w4", *WORKLOAD],
 }
+PICKED = [n for n in os.environ.get("W4A16_RUNS", "").split(",") if n]
+if PICKED:
+    RUNS = {name: RUNS[name] for name in PICKED}  # an unknown name is a KeyError before anything runs
 START = time.monotonic()
 
 
