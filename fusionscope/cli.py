@@ -390,7 +390,8 @@ def apply(
         bool,
         typer.Option(
             "--graphs-together",
-            help="with --graphs: capture the graph alone and fused + graph only, not each fusion + graph",
+            help="with --graphs: capture the graph alone and fused + graph only, not each fusion + graph; numerics"
+            " check every fusion together first, each alone only if that fails",
         ),
     ] = False,
     quantize: Annotated[

@@ -347,3 +347,43 @@ def test_rounds_alternate_their_order_and_speedups_take_the_fastest_rounds(monke
     twice_as_fast = measure.Measurement(wall_ms={"decode": [5.0, 15.0, 14.0]})
     assert measure.fastest_speedup(spells, twice_as_fast, "decode") == pytest.approx(2.0)
     assert measure.fastest_speedup(spells, measure.Measurement(), "decode") is None
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_graphs_together_checks_all_together_first_and_alone_if_that_fails(tmp_path, monkeypatch, broken) -> None:
+    """With --graphs-together nothing is timed alone, so one patch and one teacher-forced run check every fusion
+    found; a failure there falls back to checking each alone, so the fusion at fault is named and the rest go on."""
+    import fusionscope.kernels as kernels
+
+    from fusionscope.apply import run as apply_run
+
+    notes: list[str] = []
+    monkeypatch.setattr(apply_run, "graph_variants", lambda *_a, **_k: {})  # the numerics stage is what is tested
+    if broken:
+        real = kernels.silu_and_mul
+        monkeypatch.setattr(kernels, "silu_and_mul", lambda g, u=None, out=None: real(g, u) * float("nan"))
+    real_apply = apply_run.run_apply
+
+    def recording(workload, summary, wanted, repeats, tmp, note, *rest):
+        def noted(text: str) -> None:
+            notes.append(text)
+            note(text)
+
+        return real_apply(workload, summary, wanted, repeats, tmp, noted, *rest)
+
+    monkeypatch.setattr(apply_run, "run_apply", recording)
+    run = fusionscope.apply("tiny-llama", out=tmp_path / "t", fusions="rms_norm,silu_and_mul,rope", graphs=True,
+                            graphs_only=True, graphs_together=True, **WORKLOAD)  # fmt: skip
+    rows = {row["fusion"]: row for row in run.apply["fusions"]}
+    checks = [n for n in notes if n.startswith("numerics: ") and "unpatched" not in n]
+    assert checks[0] == "numerics: every fusion found together"
+    if not broken:
+        assert checks == ["numerics: every fusion found together"]
+        assert all(row["status"] == "passed" and row["checked"] == "together" for row in rows.values())
+        assert run.apply["together_numerics"]["fusions"] == ["rms_norm", "silu_and_mul", "rope"]
+    else:
+        assert checks[1:] == ["numerics: rms_norm alone", "numerics: silu_and_mul alone", "numerics: rope alone",
+                              "numerics: all passing fusions together"]  # fmt: skip
+        assert rows["silu_and_mul"]["status"] == "failed" and rows["silu_and_mul"]["numerics"]["non_finite"]
+        assert rows["rms_norm"]["status"] == rows["rope"]["status"] == "passed" and "checked" not in rows["rope"]
+        assert run.apply["together_numerics"]["fusions"] == ["rms_norm", "rope"]

@@ -400,61 +400,92 @@ def run_apply(
     eager_raw = numerics.compare(ref, ref32)
     eager_vs_fp32 = numerics.json_safe(eager_raw)
 
-    def check(fusions: list[str]) -> tuple[dict, dict, bool, str]:
-        """Numerics of `fusions` patched together: (vs eager, vs fp32, passed, reason). A patched forward that
-        raises, or logits that are not finite, fail the check with the reason; the patch is left either way."""
-        with enter(fusions):
+    def check(fusions: list[str]) -> tuple[Any, tuple[dict, dict, bool, str] | None]:
+        """Patch `fusions` together once: what the patch did (its PatchResult), and the numerics of what it patched
+        (vs eager, vs fp32, passed, reason; None when nothing was patched). A patched forward that raises, or logits
+        that are not finite, fail the check with the reason."""
+        with enter(fusions) as patched:
+            if not any(patched.applied.get(f) for f in fusions):
+                return patched, None
             try:
                 test = reference(model)
                 draws = numerics.check_draws(sampler, ref) if "sampling" in fusions else None
             except Exception as exc:  # a patched forward that raises is a failed fusion, not a failed run
                 if in_ranks():  # ... except on tensor-parallel ranks: the others wait in this forward's all-reduce
                     raise
-                return {}, {}, False, f"the patched model raised {type(exc).__name__}: {str(exc).splitlines()[0]}"
+                why = f"the patched model raised {type(exc).__name__}: {str(exc).splitlines()[0]}"
+                return patched, ({}, {}, False, why)
         fig, fig32 = numerics.compare(test, ref), numerics.compare(test, ref32)
         ok, why = numerics.judge(fig, fig32, eager_raw, dtype, real_weights)
         if draws is not None:
             fig["draws"] = draws
             ok, why = (ok and draws["passed"], f"{why}; {draws['reason']}")
-        return numerics.json_safe(fig), numerics.json_safe(fig32), ok, why
+        ok, why = agree((ok, why))  # rank 0's judgement: every rank patches the same fusions from here on
+        return patched, (numerics.json_safe(fig), numerics.json_safe(fig32), ok, why)
 
+    def site_row(fusion: str, patched: Any) -> dict:
+        """One fusion's row from what a patch did with it: its sites patched, skipped (and why), and how."""
+        applied = patched.applied.get(fusion, [])
+        row = {"fusion": fusion, "sites_found": len(sites[fusion]), "sites_patched": len(applied),
+               "applied": applied, "skipped": patched.skipped.get(fusion, ""),
+               "patched_by": "graph" if fusion in patched.rewritten else "layout" if applied else ""}  # fmt: skip
+        if patched.capture:
+            row["capture_fallback"] = patched.capture
+            note(f"{fusion}: {patched.capture}; the layout patchers were used")
+        if not applied:
+            row.update(status="skipped", reason=row["skipped"] or "nothing patched")
+        return row
+
+    def each_alone() -> tuple[dict[str, dict], list[str]]:
+        rows: dict[str, dict] = {}
+        passed: list[str] = []
+        for fusion in sites:
+            note(f"numerics: {fusion} alone")
+            patched, figures = check([fusion])
+            rows[fusion] = row = site_row(fusion, patched)
+            if figures is not None:
+                row["numerics"], row["numerics_vs_fp32"], ok, why = figures
+                row.update(status="passed" if ok else "failed", reason=why)
+                if ok:
+                    passed.append(fusion)
+        return rows, passed
+
+    def together(fusions: list[str], label: str) -> tuple[dict[str, Any], Any]:
+        note(f"numerics: {label} together")
+        patched, figures = check(fusions)
+        fig, fig32, ok, why = figures if figures is not None else ({}, {}, False, "nothing patched")
+        return {"fusions": list(fusions), "numerics": fig, "numerics_vs_fp32": fig32, "passed": ok,
+                "reason": why}, patched  # fmt: skip
+
+    # Each fusion is checked alone, then the passing ones together. With --graphs-together (nothing is timed alone)
+    # every fusion found is checked together first, and alone only when that fails: one patch and one teacher-forced
+    # run instead of one per fusion, which on an 8B model is most of this stage's minutes.
     fusion_rows: dict[str, dict] = {}
     passing: list[str] = []
-    for fusion in sites:
-        note(f"numerics: {fusion} alone")
-        with enter([fusion]) as result:
-            applied = result.applied.get(fusion, [])
-            skipped = result.skipped.get(fusion, "")
-            patched_by = "graph" if fusion in result.rewritten else "layout" if applied else ""
-            fallback = result.capture
-        row = {"fusion": fusion, "sites_found": len(sites[fusion]), "sites_patched": len(applied),
-               "applied": applied, "skipped": skipped, "patched_by": patched_by}  # fmt: skip
-        if fallback:
-            row["capture_fallback"] = fallback
-            note(f"{fusion}: {fallback}; the layout patchers were used")
-        fusion_rows[fusion] = row
-        if not applied:
-            row.update(status="skipped", reason=skipped or "nothing patched")
-            continue
-        row["numerics"], row["numerics_vs_fp32"], ok, why = check([fusion])
-        ok, why = agree((ok, why))  # rank 0's judgement: every rank patches the same fusions from here on
-        row.update(status="passed" if ok else "failed", reason=why)
-        if ok:
-            passing.append(fusion)
+    together_numerics: dict[str, Any] = {}
+    if graphs_together and len(sites) > 1:
+        first, patched = together(list(sites), "every fusion found")
+        rows = {f: site_row(f, patched) for f in sites}
+        if first["passed"]:
+            passing = [f for f in sites if rows[f]["sites_patched"]]
+            first["fusions"] = passing
+            for fusion in passing:
+                rows[fusion].update(status="passed", numerics=first["numerics"],
+                                    numerics_vs_fp32=first["numerics_vs_fp32"], checked="together",
+                                    reason=f"checked together with the others: {first['reason']}")  # fmt: skip
+            fusion_rows, together_numerics = rows, (first if len(passing) > 1 else {})
+        else:
+            note(f"every fusion together failed numerics ({first['reason']}): checking each alone")
+    if not fusion_rows:
+        fusion_rows, passing = each_alone()
     if not any(row["sites_patched"] for row in fusion_rows.values()):
         why = "; ".join(f"{k}: {v['reason']}" for k, v in fusion_rows.items())
         raise UsageError(f"nothing could be patched in {workload.spec.name}: {why}")
     for fusion, why in left_out.items():
         fusion_rows[fusion] = {"fusion": fusion, "sites_found": 0, "sites_patched": 0, "applied": [], "skipped": why,
                                "status": "skipped", "reason": why}  # fmt: skip
-
-    together_numerics: dict[str, Any] = {}
-    if len(passing) > 1:
-        note("numerics: all passing fusions together")
-        fig, fig32, ok, why = check(passing)
-        ok, why = agree((ok, why))
-        together_numerics = {"fusions": list(passing), "numerics": fig, "numerics_vs_fp32": fig32, "passed": ok,
-                             "reason": why}  # fmt: skip
+    if len(passing) > 1 and not together_numerics:
+        together_numerics, _ = together(passing, "all passing fusions")
 
     result = {
         "fusions": list(fusion_rows.values()),
