@@ -67,6 +67,24 @@ def test_argument_lists_are_shared_objects() -> None:
     assert dims.map(repr).nunique() == dims.map(id).nunique() < len(dims)
 
 
+def test_lists_shared_together_are_shared_one_by_one() -> None:
+    """Hashing an op's shapes, types and constants as one key gives each column what hashing it alone gives: equal
+    values, and one shared object per distinct text of that column (two keys that differ in one column share the
+    other's object). Lists with separators, strings and nesting, repeated in other combinations."""
+    msgspec = pytest.importorskip("msgspec")
+    rows = [(b"[[1, 2], []]", b'["float", ""]', b'["", "a,b"]'), (b"[[1, 2], []]", b'["float", ""]', b"[]"),
+            (b"[[3]]", b'["float", ""]', b'["", "a,b"]'), (b"[[1, 2], []]", b'["float", ""]', b'["", "a,b"]'),
+            (b"[]", b"[]", b"[]")]  # fmt: skip
+    text = b"[" + b",".join(b'{"a": %s, "b": %s, "c": %s}' % row for row in rows) + b"]"
+    structs = msgspec.json.decode(text, type=list[msgspec.defstruct("R", [(c, msgspec.Raw) for c in "abc"])])
+    together = trace_events._shared_together(structs, ("a", "b", "c"))
+    for column in "abc":
+        alone = trace_events._shared([getattr(s, column) for s in structs])
+        assert together[column].tolist() == alone.tolist()
+        assert pd.factorize(np.array([id(v) for v in together[column]]))[0].tolist() == pd.factorize(
+            np.array([repr(v) for v in alone], dtype=object))[0].tolist()  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "raw",
     [
