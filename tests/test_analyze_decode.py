@@ -175,3 +175,19 @@ def test_write_csv_of_many_equal_string_objects(tmp_path: Path) -> None:
     frame.to_csv(tmp_path / "pandas.csv", index=False, float_format="%.6g")
     analyze.write_csv(frame, tmp_path / "fast.csv")
     assert (tmp_path / "fast.csv").read_bytes() == (tmp_path / "pandas.csv").read_bytes()
+
+
+@pytest.mark.parametrize("path", [TRACES[1], DATA / "traces" / "cpu-plain.trace.json"], ids=["phases", "none"])
+def test_filling_steps_and_phases_leaves_the_given_tables_alone(path: Path) -> None:
+    """A trace with its own steps and phases keeps its tables; one without gets copies with them filled in, and the
+    parsed timeline still holds what the trace held."""
+    facts, doc = analyze.parse_trace(path)
+    parsed = analyze.parse_rank(facts, doc)
+    before = [frame.copy() for frame in (parsed.timeline.ops, parsed.timeline.kernels, parsed.timeline.steps)]
+    timeline, missing = analyze.fill_steps_and_phases(parsed.timeline, parsed.annotations)
+    for given, kept in zip(before, (parsed.timeline.ops, parsed.timeline.kernels, parsed.timeline.steps)):
+        pd.testing.assert_frame_equal(given, kept)
+    filled = analyze.MISSING_PHASES in missing
+    assert filled == (path.name == "cpu-plain.trace.json")
+    assert (timeline.ops is parsed.timeline.ops) == (not filled)
+    assert set(timeline.steps["phase"]) == ({analyze.TRACE_PHASE} if filled else {"prefill", "decode"})
