@@ -7,6 +7,7 @@ launches several kernels (a split-K GEMM and its reduction) shares its cost amon
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import numpy as np
@@ -159,10 +160,7 @@ def summarize_phases(
             "comm_ms_per_step": None,
         }
         if gpu:
-            busy = pd.Series(
-                {s: busy_us(g["ts_us"].to_numpy(), (g["ts_us"] + g["dur_us"]).to_numpy()) for s, g in per_step},
-                dtype=float,
-            ).reindex(wall_us.index, fill_value=0.0)
+            busy = _busy_per_step(ks).reindex(wall_us.index, fill_value=0.0)
             count = per_step.size().reindex(wall_us.index, fill_value=0)
             # The profiler (shapes, module ranges) slows the host, not the kernels: judge the regime and the host
             # cost per kernel against the unprofiled step when there is one (2.4x faster on the H200 for 8B decode).
@@ -173,11 +171,8 @@ def summarize_phases(
             )
             frac = float(busy.median() / real_wall_us)
             # communication not hidden behind computation: busy time less the busy time of the other kernels
-            compute = ks[~ks["name"].astype(str).str.startswith(NCCL_KERNEL_PREFIXES)].groupby("step")
-            compute_busy = pd.Series(
-                {s: busy_us(g["ts_us"].to_numpy(), (g["ts_us"] + g["dur_us"]).to_numpy()) for s, g in compute},
-                dtype=float,
-            ).reindex(wall_us.index, fill_value=0.0)
+            compute = ks[~ks["name"].astype(str).str.startswith(NCCL_KERNEL_PREFIXES)]
+            compute_busy = _busy_per_step(compute).reindex(wall_us.index, fill_value=0.0)
             comm = busy - compute_busy
             summary.update(
                 gpu_busy_ms_per_step=float(busy.median() / 1e3),
@@ -194,6 +189,31 @@ def summarize_phases(
         summary["top_kernels"] = _top_kernels(ks, n_steps)
         phases[phase] = summary
     return phases
+
+
+def _busy_per_step(ks: pd.DataFrame) -> pd.Series:
+    """`busy_us` of each step's kernels (index: the steps, sorted, as `groupby("step")` gives them), for all steps
+    at once: sorted by step then start, a running end per step (`cummax`), a block wherever a start passes it. Each
+    step's sum is `busy_us`'s to the last bit: its blocks are the same whatever the order of equal starts (no block
+    starts inside a run of them), so its array of block lengths is the same, summed by the same `sum`. A frame per
+    step took a quarter of a second at a thousand steps."""
+    steps, starts = ks["step"].to_numpy(), ks["ts_us"].to_numpy()
+    ends = (ks["ts_us"] + ks["dur_us"]).to_numpy()
+    if not len(steps):
+        return pd.Series(dtype=float)
+    order = np.lexsort((starts, steps))
+    steps, starts, ends = steps[order], starts[order], ends[order]
+    first = np.r_[True, steps[1:] != steps[:-1]]
+    if not np.isfinite(ends).all():  # NaN: `busy_us`'s running maximum and pandas' differ; one call per step
+        cuts = np.r_[np.flatnonzero(first), len(steps)].tolist()
+        sums = [busy_us(starts[a:b], ends[a:b]) for a, b in itertools.pairwise(cuts)]
+        return pd.Series(sums, index=steps[first], dtype=float)
+    running = pd.Series(ends).groupby(np.cumsum(first)).cummax().to_numpy()
+    block = np.flatnonzero(first | np.r_[False, starts[1:] > running[:-1]])
+    lengths = running[np.r_[block[1:] - 1, len(steps) - 1]] - starts[block]
+    cuts = np.r_[np.flatnonzero(first[block]), len(block)].tolist()
+    sums = [float(lengths[a:b].sum()) for a, b in itertools.pairwise(cuts)]
+    return pd.Series(sums, index=steps[first], dtype=float)
 
 
 def _top_kernels(ks: pd.DataFrame, n_steps: int) -> list[dict]:

@@ -253,12 +253,13 @@ def recognise(kernels: pd.DataFrame) -> pd.DataFrame:
         op=kernels["op"].fillna("").astype(str) if "op" in kernels else "",
     )
     steps = table.groupby("phase")["step"].nunique()
-    described = {key: _describe(*key) for key in table[["name", "op"]].drop_duplicates().itertuples(index=False)}
+    pairs = pd.MultiIndex.from_frame(table[["name", "op"]])
+    described = {key: _describe(*key) for key in pairs.unique()}
+    known = [key for key, info in described.items() if info is not None]
+    table = table[pairs.isin(known)] if len(known) < len(described) else table  # a frame per recognised group only
     rows = []
     for (name, op, phase), group in table.groupby(["name", "op", "phase"], sort=False):
         info = described[(name, op)]
-        if info is None:
-            continue
         n_steps = max(int(steps[phase]), 1)
         count, dur = len(group), float(group["dur_us"].sum())
         rows.append({"name": name, **info, "phase": phase, "count": count, "steps": n_steps,

@@ -96,11 +96,13 @@ class EventColumns:
             given = [a if isinstance(a, dict) else {} for a in picked.tolist()]
             return {c: _objects([a.get(ARG_KEYS[c][0], ARG_KEYS[c][1]) for a in given]) for c in columns}
         listed = picked.tolist()  # a list iterates faster than an object array
-        out = {}
+        lists = tuple(c for c in columns if c in LIST_ARGS)
+        out = _shared_together(listed, lists) if len(lists) > 1 else {}
         for c in columns:
-            values = list(map(attrgetter(c), listed))
-            out[c] = _shared(values) if c in LIST_ARGS else _objects(values)
-        return out
+            if c not in out:
+                values = list(map(attrgetter(c), listed))
+                out[c] = _shared(values) if c in LIST_ARGS else _objects(values)
+        return {c: out[c] for c in columns}
 
     def dicts(self) -> list[dict]:
         """The events as dicts of their top-level fields (those not None), for code written over decoded JSON."""
@@ -182,6 +184,23 @@ def _shared(raws: list) -> np.ndarray:
     decoded = np.empty(len(uniques), dtype=object)
     decoded[:] = [json.loads(text) for text in uniques.tolist()]
     return decoded[codes]
+
+
+def _shared_together(listed: list, columns: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """`_shared` of several list arguments of the same structs (an op's shapes, types and constants; a kernel's grid
+    and block), hashed together: one key per row, the raw texts joined by a byte that no JSON text holds outside a
+    string and none inside one unescaped (msgspec refuses it), so one join and one factorize instead of a copy and
+    a factorize per argument. The arguments repeat together, so the keys are few; each distinct text of a column is
+    still decoded once into one shared object, as `_shared` gives."""
+    keys = list(map(b"\x1f".join, map(attrgetter(*columns), listed)))
+    codes, uniques = pd.factorize(_objects(keys))
+    texts = [key.split(b"\x1f") for key in uniques.tolist()]
+    out = {}
+    for k, column in enumerate(columns):
+        column_texts = [parts[k] for parts in texts]
+        decoded = {text: json.loads(text) for text in dict.fromkeys(column_texts)}
+        out[column] = _objects([decoded[text] for text in column_texts])[codes]
+    return out
 
 
 def _interned(values: np.ndarray) -> tuple[np.ndarray, trace.Labels]:

@@ -67,6 +67,24 @@ def test_argument_lists_are_shared_objects() -> None:
     assert dims.map(repr).nunique() == dims.map(id).nunique() < len(dims)
 
 
+def test_lists_shared_together_are_shared_one_by_one() -> None:
+    """Hashing an op's shapes, types and constants as one key gives each column what hashing it alone gives: equal
+    values, and one shared object per distinct text of that column (two keys that differ in one column share the
+    other's object). Lists with separators, strings and nesting, repeated in other combinations."""
+    msgspec = pytest.importorskip("msgspec")
+    rows = [(b"[[1, 2], []]", b'["float", ""]', b'["", "a,b"]'), (b"[[1, 2], []]", b'["float", ""]', b"[]"),
+            (b"[[3]]", b'["float", ""]', b'["", "a,b"]'), (b"[[1, 2], []]", b'["float", ""]', b'["", "a,b"]'),
+            (b"[]", b"[]", b"[]")]  # fmt: skip
+    text = b"[" + b",".join(b'{"a": %s, "b": %s, "c": %s}' % row for row in rows) + b"]"
+    structs = msgspec.json.decode(text, type=list[msgspec.defstruct("R", [(c, msgspec.Raw) for c in "abc"])])
+    together = trace_events._shared_together(structs, ("a", "b", "c"))
+    for column in "abc":
+        alone = trace_events._shared([getattr(s, column) for s in structs])
+        assert together[column].tolist() == alone.tolist()
+        assert pd.factorize(np.array([id(v) for v in together[column]]))[0].tolist() == pd.factorize(
+            np.array([repr(v) for v in alone], dtype=object))[0].tolist()  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "raw",
     [
@@ -157,3 +175,19 @@ def test_write_csv_of_many_equal_string_objects(tmp_path: Path) -> None:
     frame.to_csv(tmp_path / "pandas.csv", index=False, float_format="%.6g")
     analyze.write_csv(frame, tmp_path / "fast.csv")
     assert (tmp_path / "fast.csv").read_bytes() == (tmp_path / "pandas.csv").read_bytes()
+
+
+@pytest.mark.parametrize("path", [TRACES[1], DATA / "traces" / "cpu-plain.trace.json"], ids=["phases", "none"])
+def test_filling_steps_and_phases_leaves_the_given_tables_alone(path: Path) -> None:
+    """A trace with its own steps and phases keeps its tables; one without gets copies with them filled in, and the
+    parsed timeline still holds what the trace held."""
+    facts, doc = analyze.parse_trace(path)
+    parsed = analyze.parse_rank(facts, doc)
+    before = [frame.copy() for frame in (parsed.timeline.ops, parsed.timeline.kernels, parsed.timeline.steps)]
+    timeline, missing = analyze.fill_steps_and_phases(parsed.timeline, parsed.annotations)
+    for given, kept in zip(before, (parsed.timeline.ops, parsed.timeline.kernels, parsed.timeline.steps)):
+        pd.testing.assert_frame_equal(given, kept)
+    filled = analyze.MISSING_PHASES in missing
+    assert filled == (path.name == "cpu-plain.trace.json")
+    assert (timeline.ops is parsed.timeline.ops) == (not filled)
+    assert set(timeline.steps["phase"]) == ({analyze.TRACE_PHASE} if filled else {"prefill", "decode"})

@@ -566,3 +566,21 @@ def test_the_waterfall_names_what_paces_the_step() -> None:
     assert "paced by" not in waterfall_figure("decode", {**plan, "paced_by": None}).layout.title.text
     old = {"waterfall": plan["waterfall"], "cuda_graph_share": 0.8, "regime": "host-bound"}  # before `paced_by`
     assert "paced by the host" in waterfall_figure("decode", old).layout.title.text
+
+
+@pytest.mark.parametrize(
+    "values",
+    [["decode", None, "prefill", np.nan, "decode", ""], [1, 1.0, True, "1", None, pd.NA], [np.str_("a"), "a", None],
+     pd.Categorical(["x", None, "y", "x"]), []],
+    ids=["strings", "numbers-and-strings", "str-subclass", "categorical", "empty"],
+)  # fmt: skip
+def test_text_columns_are_what_astype_str_gives(values: list) -> None:
+    """`normalise_kernels`' text columns: each distinct string converted once is what converting every value gives
+    (missing values empty), and values of other types (1, 1.0 and True, which hash alike) each keep their own text."""
+    from fusionscope.report.grouping import _text
+
+    column = pd.Series(values, dtype=object if not isinstance(values, pd.Categorical) else None, name="phase")
+    want = column.astype(object).where(column.notna(), "").astype(str)
+    got = _text(column)
+    pd.testing.assert_series_equal(got, want)
+    assert got.tolist() == want.tolist() and [type(v) for v in got] == [type(v) for v in want]

@@ -111,6 +111,28 @@ def test_busy_time_counts_overlap_once() -> None:
     assert analysis.busy_us(np.array([]), np.array([])) == 0.0
 
 
+def test_busy_per_step_is_each_step_group_to_the_bit() -> None:
+    """Each step's busy time from slices of one stable sort is what `busy_us` of that step's `groupby` frame gives,
+    exactly: unsorted steps, ties in start, overlaps, a step of one kernel, steps with gaps."""
+    rng = np.random.default_rng(7)
+    n = 3000
+    ks = pd.DataFrame({"step": rng.choice([5, -1, 0, 2, 9, 100], n), "ts_us": np.round(rng.random(n) * 500, 1) / 3,
+                       "dur_us": rng.random(n) * 7})  # fmt: skip
+    ks.loc[0, "step"] = 42  # one kernel alone
+    ks.loc[1:200, "dur_us"] = 0.0  # kernels of no length, some starting where others end
+    ks.loc[201:400, "ts_us"] = ks.loc[1:200, "ts_us"].to_numpy() + ks.loc[101:300, "dur_us"].to_numpy()
+    want = pd.Series({s: analysis.busy_us(g["ts_us"].to_numpy(), (g["ts_us"] + g["dur_us"]).to_numpy())
+                      for s, g in ks.groupby("step")}, dtype=float)  # fmt: skip
+    got = analysis._busy_per_step(ks)
+    assert got.index.tolist() == want.index.tolist()
+    assert got.to_numpy().tobytes() == want.to_numpy().tobytes()
+    assert analysis._busy_per_step(ks.iloc[:0]).empty
+    ks.loc[5, "dur_us"] = np.nan  # a duration no number reads: each step as `busy_us` takes it
+    with_nan = pd.Series({s: analysis.busy_us(g["ts_us"].to_numpy(), (g["ts_us"] + g["dur_us"]).to_numpy())
+                          for s, g in ks.groupby("step")}, dtype=float)  # fmt: skip
+    assert analysis._busy_per_step(ks).to_numpy().tobytes() == with_nan.to_numpy().tobytes()
+
+
 def test_module_pattern() -> None:
     assert analysis.module_pattern("model.layers.12.mlp.down_proj") == "model.layers.*.mlp.down_proj"
     assert analysis.module_pattern("lm_head") == "lm_head"

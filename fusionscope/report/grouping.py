@@ -38,7 +38,7 @@ def normalise_kernels(kernels: pd.DataFrame | None) -> pd.DataFrame:
     out = frame[wanted].copy()
     for column in _TEXT_COLUMNS:
         if column in out.columns:
-            out[column] = out[column].astype(object).where(out[column].notna(), "").astype(str)
+            out[column] = _text(out[column])
         else:
             out[column] = ""
     for column in _NUMBER_COLUMNS:
@@ -53,6 +53,15 @@ def normalise_kernels(kernels: pd.DataFrame | None) -> pd.DataFrame:
     out["bound"] = out["bound"].where(out["bound"] != "", "unmodeled")
     out["category"] = out["category"].where(out["category"] != "", "other")
     return out
+
+
+def _text(column: pd.Series) -> pd.Series:
+    """The column as strings, "" where missing. A column of strings (names, modules, categories: few distinct
+    values) is converted once per distinct value; any other is converted value by value, as `astype(str)` does."""
+    codes, uniques = pd.factorize(column.to_numpy(dtype=object, na_value=None), use_na_sentinel=True)
+    if all(type(u) is str for u in uniques.tolist()):
+        return pd.Series(np.asarray([*uniques.tolist(), ""], dtype=object)[codes], index=column.index, name=column.name)
+    return column.astype(object).where(column.notna(), "").astype(str)
 
 
 def phase_order(summary: dict[str, Any], kernels: pd.DataFrame) -> list[str]:
