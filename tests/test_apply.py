@@ -349,19 +349,11 @@ def test_rounds_alternate_their_order_and_speedups_take_the_fastest_rounds(monke
     assert measure.fastest_speedup(spells, measure.Measurement(), "decode") is None
 
 
-@pytest.mark.parametrize("broken", [False, True])
-def test_graphs_together_checks_all_together_first_and_alone_if_that_fails(tmp_path, monkeypatch, broken) -> None:
-    """With --graphs-together nothing is timed alone, so one patch and one teacher-forced run check every fusion
-    found; a failure there falls back to checking each alone, so the fusion at fault is named and the rest go on."""
-    import fusionscope.kernels as kernels
-
+def record_notes(monkeypatch) -> list[str]:
+    """The stage notes `run_apply` gives, in order, kept in the returned list."""
     from fusionscope.apply import run as apply_run
 
     notes: list[str] = []
-    monkeypatch.setattr(apply_run, "graph_variants", lambda *_a, **_k: {})  # the numerics stage is what is tested
-    if broken:
-        real = kernels.silu_and_mul
-        monkeypatch.setattr(kernels, "silu_and_mul", lambda g, u=None, out=None: real(g, u) * float("nan"))
     real_apply = apply_run.run_apply
 
     def recording(workload, summary, wanted, repeats, tmp, note, *rest):
@@ -372,6 +364,22 @@ def test_graphs_together_checks_all_together_first_and_alone_if_that_fails(tmp_p
         return real_apply(workload, summary, wanted, repeats, tmp, noted, *rest)
 
     monkeypatch.setattr(apply_run, "run_apply", recording)
+    return notes
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_graphs_together_checks_all_together_first_and_alone_if_that_fails(tmp_path, monkeypatch, broken) -> None:
+    """With --graphs-together nothing is timed alone, so one patch and one teacher-forced run check every fusion
+    found; a failure there falls back to checking each alone, so the fusion at fault is named and the rest go on."""
+    import fusionscope.kernels as kernels
+
+    from fusionscope.apply import run as apply_run
+
+    notes = record_notes(monkeypatch)
+    monkeypatch.setattr(apply_run, "graph_variants", lambda *_a, **_k: {})  # the numerics stage is what is tested
+    if broken:
+        real = kernels.silu_and_mul
+        monkeypatch.setattr(kernels, "silu_and_mul", lambda g, u=None, out=None: real(g, u) * float("nan"))
     run = fusionscope.apply("tiny-llama", out=tmp_path / "t", fusions="rms_norm,silu_and_mul,rope", graphs=True,
                             graphs_only=True, graphs_together=True, **WORKLOAD)  # fmt: skip
     rows = {row["fusion"]: row for row in run.apply["fusions"]}
@@ -387,3 +395,16 @@ def test_graphs_together_checks_all_together_first_and_alone_if_that_fails(tmp_p
         assert rows["silu_and_mul"]["status"] == "failed" and rows["silu_and_mul"]["numerics"]["non_finite"]
         assert rows["rms_norm"]["status"] == rows["rope"]["status"] == "passed" and "checked" not in rows["rope"]
         assert run.apply["together_numerics"]["fusions"] == ["rms_norm", "rope"]
+
+
+def test_graphs_together_with_nothing_patchable_says_why_once(tmp_path, monkeypatch) -> None:
+    """Nothing patched by the together check leaves nothing to check alone: the usage error names each reason."""
+    from fusionscope.apply import patching
+
+    notes = record_notes(monkeypatch)
+    monkeypatch.setattr(patching, "kernels_unavailable", lambda _model: "no device for the kernels here")
+    with pytest.raises(UsageError, match=r"nothing could be patched.*rms_norm: no device for the kernels here"):
+        fusionscope.apply("tiny-llama", out=tmp_path / "z", fusions="rms_norm,rope", graphs=True, graphs_only=True,
+                          graphs_together=True, **WORKLOAD)  # fmt: skip
+    assert not (tmp_path / "z").exists()
+    assert not [n for n in notes if n.endswith(" alone")]

@@ -474,6 +474,8 @@ def run_apply(
                                     numerics_vs_fp32=first["numerics_vs_fp32"], checked="together",
                                     reason=f"checked together with the others: {first['reason']}")  # fmt: skip
             fusion_rows, together_numerics = rows, (first if len(passing) > 1 else {})
+        elif not any(row["sites_patched"] for row in rows.values()):
+            fusion_rows = rows  # nothing was patched, so nothing to check alone: the rows say why
         else:
             note(f"every fusion together failed numerics ({first['reason']}): checking each alone")
     if not fusion_rows:
