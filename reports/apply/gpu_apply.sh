@@ -3,7 +3,8 @@
 #   source .gpu/boot.sh && bash reports/apply/gpu_apply.sh "$OUT" SET
 # SET picks the runs, comma-separated (each a `fusionscope apply` command line, bf16): see the case list below;
 # `agree` adds `analyze` of the first run's trace compared with its profile (reports/analyze/agree.py), `w4a16apply`
-# `apply --quantize w4 --graphs` (reports/w4a16/gpu_apply_w4a16.py). Each run's terminal
+# `apply --quantize w4 --graphs` (reports/w4a16/gpu_apply_w4a16.py; W4A16_RUNS picks its runs, W4A16_BUDGET_S its
+# seconds: the 8B w4 run alone takes about 490 s). Each run's terminal
 # output, summary.json, apply.csv and opportunities.csv (and report.html for the first run of a set) are packed into
 # $OUT/apply-<SET>.tgz as they finish, so a call stopped at its time limit still returns what was done.
 set -uo pipefail
