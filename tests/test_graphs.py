@@ -58,17 +58,45 @@ def test_the_static_caches_own_write_counter_is_why_a_capture_puts_it_back(tiny)
     def first_step_error(restore: bool) -> float:
         decoder.prefill()
         state, position = graphs.cache_state(decoder.cache), decoder.position.clone()
-        with torch.inference_mode():
+        with torch.inference_mode():  # the decoder's tensors are inference tensors, as the eager runs' are
             for _ in range(graphs.WARMUP_CALLS):
                 decoder._body()
-        decoder.position.copy_(position)
-        if restore:
-            graphs.restore_state(decoder.cache, state)
-        decoder.token.copy_(ref.tokens[:, :1])
+            decoder.position.copy_(position)
+            if restore:
+                graphs.restore_state(decoder.cache, state)
+            decoder.token.copy_(ref.tokens[:, :1])
         return float((decoder.step() - ref.decode_logits[:, 0]).abs().max())
 
     assert first_step_error(restore=True) < 1e-4
     assert first_step_error(restore=False) > 1e-2
+
+
+def test_the_graph_stage_reuses_the_graphs_a_patch_captured_for_the_eager_check(tiny, monkeypatch) -> None:
+    """The decoder hands the model what the eager static-cache runs hand it (inference tensors, a cache of prompt +
+    steps rows), and a patched forward's captured graphs are guarded on both: the graphs captured for the eager check
+    serve the graph variant, where each whole-model capture again cost the H200 runs seconds. One is left: the
+    decoder's second prefill (its free-running pass) finds the cache's tensors made, where every eager check's
+    prefill starts a new cache, and transformers' forward branches on that."""
+    from fusionscope.apply import rewrite
+    from fusionscope.apply.patching import patch
+
+    model, ids = tiny
+    captures: list[int] = []
+    backend = rewrite.Rewriter.__call__
+
+    def counted(self, gm, inputs):
+        captures.append(1)
+        return backend(self, gm, inputs)
+
+    monkeypatch.setattr(rewrite.Rewriter, "__call__", counted)
+    with patch(model, ["rms_norm"], example=lambda m: numerics.reference(m, ids, 4, cache="static")) as result:
+        assert result.rewritten == ["rms_norm"]
+        ref = numerics.reference(model, ids, 4, cache="static")
+        before = len(captures)
+        decoder = graphs.StaticDecoder(model, ids, 4)
+        graphs.teacher_forced(decoder, ref)
+    assert before >= 1 and len(captures) - before <= 1  # (3 before the decoder matched them)
+    assert decoder.token.is_inference() and decoder.position.is_inference()
 
 
 def test_the_weight_floor_counts_each_weight_once_and_the_kv_cache_read(tiny) -> None:

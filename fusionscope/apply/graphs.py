@@ -59,10 +59,15 @@ class StaticDecoder:
         self.forward = forward or model
         self.names = _forward_kwargs(model)
         self.steps = decode_steps
-        self.cache = static_cache(model, ids.shape[1] + decode_steps + WARMUP_CALLS + 1)
         batch, device = ids.shape[0], ids.device
-        self.token = torch.zeros((batch, 1), dtype=torch.long, device=device)
-        self.position = torch.zeros(1, dtype=torch.long, device=device)
+        # inference tensors, as the eager runs' tokens, positions and caches are: dynamo guards on a tensor's
+        # dispatch keys, so a normal tensor here would make a patched forward capture the whole model again
+        with torch.inference_mode():
+            # the warm-up and capture steps write rows the first real steps write again: no rows of their own, and
+            # the eager runs' cache length, which the patched forward's graphs are guarded on
+            self.cache = static_cache(model, ids.shape[1] + max(decode_steps, WARMUP_CALLS + 1))
+            self.token = torch.zeros((batch, 1), dtype=torch.long, device=device)
+            self.position = torch.zeros(1, dtype=torch.long, device=device)
         self.logits: torch.Tensor | None = None
         self.graph: Any = None
         self.roofs: dict | None = None  # the device's roofs, for the per-kernel breakdown of a profiled replay
@@ -113,8 +118,8 @@ class StaticDecoder:
             self._body()
         with torch.inference_mode():
             restore_state(self.cache, state)
-        self.position.copy_(position)
-        self.token.copy_(token)
+            self.position.copy_(position)
+            self.token.copy_(token)
         self.graph = graph
 
     def step(self) -> torch.Tensor:
@@ -137,7 +142,8 @@ def teacher_forced(decoder: StaticDecoder, ref: numerics.Reference) -> tuple[num
     last = decoder.prefill()
     logits = []
     for t in range(steps):
-        decoder.token.copy_(ref.tokens[:, t : t + 1])
+        with torch.inference_mode():
+            decoder.token.copy_(ref.tokens[:, t : t + 1])
         logits.append(decoder.step().clone())
     decoder.prefill()
     tokens = [decoder.token.clone()]
