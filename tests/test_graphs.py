@@ -99,6 +99,35 @@ def test_the_graph_stage_reuses_the_graphs_a_patch_captured_for_the_eager_check(
     assert decoder.token.is_inference() and decoder.position.is_inference()
 
 
+def test_a_variant_is_profiled_within_its_cache_after_the_checks_filled_it(tiny, monkeypatch) -> None:
+    """The cache holds prompt + steps rows, and the teacher-forced check's free-running pass writes all of them: the
+    profiled replay and eager step that follow it write beyond the cache unless they start from a prefill. (On the
+    H200 that was a device-side assert in `index_copy_`; on the CPU it is an IndexError.)"""
+    model, ids = tiny
+    steps = 4
+    decoder = graphs.StaticDecoder(model, ids, steps)
+    graphs.teacher_forced(decoder, numerics.reference(model, ids, steps))
+
+    def eager_step() -> None:
+        with torch.inference_mode():
+            decoder._body()
+
+    decoder.graph = SimpleNamespace(replay=eager_step)  # a "replay": the eager step, as on the CPU
+    calls: list[str] = []
+
+    def profiled(replay, eager, _model, _roofs) -> dict:
+        replay()
+        calls.append("replay")
+        if eager is not None:
+            eager()
+            calls.append("eager")
+        return {}
+
+    monkeypatch.setattr(graphs.replay, "replay_profile", profiled)
+    graphs.profile_variant(graphs.GRAPH, decoder)
+    assert calls == ["replay", "eager"]
+
+
 def test_the_weight_floor_counts_each_weight_once_and_the_kv_cache_read(tiny) -> None:
     model, _ = tiny
     config = model.config

@@ -274,7 +274,10 @@ def compiled_forward(model: nn.Module) -> Callable[..., Any]:
 
 def profile_variant(name: str, decoder: StaticDecoder) -> dict[str, Any]:
     """One profiled step of a checked variant: its replay (the compiled peer: one compiled step), kernels and GPU
-    time; for `BROKEN_DOWN` variants also each kernel against the roofs, costed by the same step run eagerly."""
+    time; for `BROKEN_DOWN` variants also each kernel against the roofs, costed by the same step run eagerly. It
+    starts with a prefill: the checks before it leave the cache full (its length is the eager runs', prompt + steps),
+    and the profiled replay and the eager step write a row each."""
+    decoder.prefill()
     if decoder.graph is None:
         return replay.replay_profile(decoder.step, None, decoder.model, None)
 
