@@ -36,7 +36,7 @@ DATASHEETS: dict[str, dict] = {
         "tflops": {"bfloat16": 312.0, "float16": 312.0, "tf32": 156.0, "float32": 19.5},
     },
 }
-ROOFS_VERSION = 3  # bump when the measurement method changes, so old cache entries are not reused
+ROOFS_VERSION = 4  # bump when the measurement method changes, so old cache entries are not reused
 
 
 @dataclass(frozen=True)
@@ -271,26 +271,39 @@ def _fused_call_us(device: torch.device) -> float | None:
     return _host_us(lambda: rms_norm(x, weight, 1e-6), 2000, torch.cuda.synchronize)
 
 
-def _graph_gap_us(kernels: int = 256) -> float | None:
-    """GPU idle µs between two consecutive kernels of a replayed CUDA graph: `kernels` one-element adds captured back
-    to back, one replay profiled, (span − busy) ÷ gaps. A graph takes the host out of a step but not this: a decode
-    step of ~500 kernels pays it ~500 times, so the step model adds it per kernel to a graph's GPU time."""
+def _graph_gap_us(pairs: int = 128, hidden: int = 4096) -> float | None:
+    """GPU idle µs between two consecutive kernels of a replayed CUDA graph, in a decode step's pattern: `pairs`
+    bf16 GEMVs (one row against a hidden × hidden weight, the weights together twice the L2, so each streams from
+    memory) each followed by a one-row add, captured back to back; one replay profiled, (span − busy) ÷ gaps.
+    A graph takes the host out of a step but not this: a decode step of ~500 kernels pays it ~500 times, so the step
+    model adds it per kernel to a graph's GPU time. Why this pattern and not a chain of one-element adds: on the
+    H200 the adds leave 0.08–0.26 µs between them, a GEMV 0.70 and the GEMV + add pair 0.62 µs per kernel, and the
+    replayed decode steps of 7–8B models 0.45–0.52 (`reports/apply/graph_gap.py` and its results)."""
     try:
         from fusionscope.gpu_replay import profile_gpu, replay_figures
 
-        x = torch.zeros(1, device="cuda")
+        weight_bytes = hidden * hidden * 2
+        count = max(2, -(-2 * torch.cuda.get_device_properties(0).L2_cache_size // weight_bytes))
+        weights = [torch.randn(hidden, hidden, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
+        x = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(x)
+
+        def step() -> None:
+            for i in range(pairs):
+                torch.mm(x, weights[i % count], out=out)
+                out.add_(1)
+
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            x.add_(1)  # lazy initialisation outside the capture
+            step()  # cuBLAS's handle and workspace outside the capture
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            for _ in range(kernels):
-                x.add_(1)
+            step()
         graph.replay()
         with tempfile.TemporaryDirectory(prefix="fusionscope-gap-") as tmp:
             figures = replay_figures(profile_gpu(graph.replay, Path(tmp)))
-        return figures["gap_us_per_kernel"] if figures["kernels"] >= kernels // 2 else None
+        return figures["gap_us_per_kernel"] if figures["kernels"] >= pairs else None
     except Exception:  # a profiler that cannot see into graphs leaves the term out, it does not stop a run
         return None

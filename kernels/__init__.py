@@ -60,6 +60,7 @@ _PUBLIC: dict[str, str] = {  # public name -> module that defines it
     "gelu_and_mul": "gelu_and_mul", "gelu_and_mul_reference": "gelu_and_mul",
     "bias_gelu": "bias_gelu", "bias_gelu_reference": "bias_gelu",
     "add_layer_norm": "add_layer_norm", "add_layer_norm_reference": "add_layer_norm",
+    "add_layer_norm_pair": "add_layer_norm", "add_layer_norm_pair_reference": "add_layer_norm",
     "rope": "rope", "rope_reference": "rope", "rope_and_cache": "rope", "rope_and_cache_reference": "rope",
     "decode_attention": "decode_attention", "decode_attention_reference": "decode_attention",
     "linear_act": "linear_act", "linear_act_reference": "linear_act", "linear_act_unfused": "linear_act",

@@ -52,6 +52,9 @@ def _add_layer_norm_kernel(
     b_ptr,  # (N,) bias, element stride stride_b (unused when HAS_BIAS is False)
     o_ptr,  # (D0, D1, N) normalised output (may alias x)
     ro_ptr,  # (D0, D1, N) new residual x + residual (may alias residual)
+    w2_ptr,  # SECOND: the second LayerNorm's (N,) weight, element stride stride_w2
+    b2_ptr,  # SECOND: its (N,) bias, element stride stride_b2
+    o2_ptr,  # SECOND: its (D0, D1, N) output; strides stride_o20, stride_o21, stride_o2n
     D1,  # size of the second leading dim: row m is (m // D1, m % D1)
     N,
     eps,
@@ -69,8 +72,14 @@ def _add_layer_norm_kernel(
     stride_ro0,
     stride_ro1,
     stride_ron,
+    stride_w2,
+    stride_b2,
+    stride_o20,
+    stride_o21,
+    stride_o2n,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    SECOND: tl.constexpr,  # a second LayerNorm of the same sum (its own weight and bias, both present)
     BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -86,13 +95,19 @@ def _add_layer_norm_kernel(
     mean = tl.sum(h, axis=0) / N
     d = tl.where(mask, h - mean, 0.0)
     var = tl.sum(d * d, axis=0) / N
-    y = d * tl.rsqrt((var + eps).to(tl.float32))  # eps may arrive as fp64 (torch.compile passes Python floats so)
+    normed = d * tl.rsqrt((var + eps).to(tl.float32))  # eps may arrive as fp64 (torch.compile passes Python floats so)
+    y = normed
     if HAS_WEIGHT:
         y = y * tl.load(w_ptr + cols * stride_w, mask=mask).to(tl.float32)
     if HAS_BIAS:
         y = y + tl.load(b_ptr + cols * stride_b, mask=mask).to(tl.float32)
     y = round_to(y, o_ptr.dtype.element_ty)
     tl.store(o_ptr + i0 * stride_o0 + i1 * stride_o1 + cols * stride_on, y.to(o_ptr.dtype.element_ty), mask=mask)
+    if SECOND:
+        y2 = normed * tl.load(w2_ptr + cols * stride_w2, mask=mask).to(tl.float32)
+        y2 = round_to(y2 + tl.load(b2_ptr + cols * stride_b2, mask=mask).to(tl.float32), o2_ptr.dtype.element_ty)
+        tl.store(o2_ptr + i0 * stride_o20 + i1 * stride_o21 + cols * stride_o2n, y2.to(o2_ptr.dtype.element_ty),
+                 mask=mask)  # fmt: skip
 
 
 def _rows_3d(t: torch.Tensor) -> tuple[int, int, int, int, int] | None:
@@ -128,19 +143,51 @@ def _add_layer_norm_op(
     out: torch.Tensor,
     residual_out: torch.Tensor,
 ) -> None:
+    _launch(x, residual, weight, bias, eps, out, residual_out, None)
+
+
+def _add_layer_norm_pair_op(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    weight2: torch.Tensor,
+    bias2: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+    out2: torch.Tensor,
+    residual_out: torch.Tensor,
+) -> None:
+    _launch(x, residual, weight, bias, eps, out, residual_out, (weight2, bias2, out2))
+
+
+def _launch(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    out: torch.Tensor,
+    residual_out: torch.Tensor,
+    second: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+) -> None:
     (d0, d1, *sx), (_, _, *sr), (_, _, *so), (_, _, *sro) = (_rows_3d(t) for t in (x, residual, out, residual_out))
+    w2, b2, out2 = second if second is not None else (x, x, out)
+    _, _, *so2 = _rows_3d(out2)
     n = x.shape[-1]
     block_n = pow2(n)
     launchable(_add_layer_norm_kernel)[(d0 * d1,)](
         x, residual, weight if weight is not None else x, bias if bias is not None else x, out, residual_out,
-        d1, n, eps, *sx, *sr,
+        w2, b2, out2, d1, n, eps, *sx, *sr,
         weight.stride(0) if weight is not None else 0, bias.stride(0) if bias is not None else 0,
-        *so, *sro,
-        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n, num_warps=_num_warps(block_n),
+        *so, *sro, w2.stride(0) if second is not None else 0, b2.stride(0) if second is not None else 0, *so2,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, SECOND=second is not None, BLOCK_N=block_n,
+        num_warps=_num_warps(block_n),
     )  # fmt: skip
 
 
 triton_op("fusionscope::add_layer_norm", mutates_args={"out", "residual_out"})(_add_layer_norm_op)
+triton_op("fusionscope::add_layer_norm_pair", mutates_args={"out", "out2", "residual_out"})(_add_layer_norm_pair_op)
 
 
 def add_layer_norm(
@@ -158,6 +205,59 @@ def add_layer_norm(
     out: optional (out, new_residual) buffers shaped like x in x's dtype (same layout rules); they may be x and
     residual themselves (in-place update). Freshly allocated outputs are contiguous.
     """
+    _check_inputs(x, residual, (("weight", weight), ("bias", bias)))
+    if out is None:
+        out = (new_output(x), new_output(x))
+    if len(out) != 2:
+        raise ValueError("out must be a tuple (out, new_residual)")
+    _check_outputs(x, residual, out)
+    run("add_layer_norm", _add_layer_norm_op, x, residual, weight, bias, float(eps), out[0], out[1])
+    return out[0], out[1]
+
+
+def add_layer_norm_pair(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    weight2: torch.Tensor,
+    bias2: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Return (LN(h) * weight + bias, LN(h) * weight2 + bias2, h) for h = x + residual, in one launch.
+
+    Why: GPT-NeoX's parallel block normalises one residual twice, once for attention and once for the MLP, each with
+    its own weight and bias; eager runs the add and two LayerNorms, reading h three times. Here the statistics are
+    computed once and both outputs written from registers. Per row of N (size s): unfused 3·N·s (add) + 2·2·N·s
+    (two norms) = 7·N·s in three launches, fused 5·N·s in one. Same inputs and layout rules as `add_layer_norm`;
+    outputs freshly allocated (contiguous)."""
+    _check_inputs(x, residual, (("weight", weight), ("bias", bias), ("weight2", weight2), ("bias2", bias2)))
+    for name, t in (("weight", weight), ("bias", bias), ("weight2", weight2), ("bias2", bias2)):
+        if t is None:
+            raise ValueError(f"{name} is required: both LayerNorms take a weight and a bias")
+    out, out2, h = new_output(x), new_output(x), new_output(x)
+    _check_outputs(x, residual, (out, h))
+    run("add_layer_norm_pair", _add_layer_norm_pair_op, x, residual, weight, bias, weight2, bias2, float(eps), out,
+        out2, h)  # fmt: skip
+    return out, out2, h
+
+
+def add_layer_norm_pair_reference(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    weight2: torch.Tensor,
+    bias2: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Eager GPT-NeoX order: the add, then each LayerNorm of the sum."""
+    h = x + residual
+    n = (h.shape[-1],)
+    return F.layer_norm(h, n, weight, bias, eps), F.layer_norm(h, n, weight2, bias2, eps), h
+
+
+def _check_inputs(x: torch.Tensor, residual: torch.Tensor, params: tuple[tuple[str, torch.Tensor | None], ...]) -> None:
     if x.shape != residual.shape:
         raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} must have the same shape")
     if x.dim() == 0 or x.numel() == 0:
@@ -167,19 +267,15 @@ def add_layer_norm(
     n = x.shape[-1]
     if n > MAX_WIDTH:
         raise ValueError(f"width N = {n} exceeds {MAX_WIDTH}, the widest row one block holds")
-    for name, t in (("residual", residual), ("weight", weight), ("bias", bias)):
+    for name, t in (("residual", residual), *params):
         if t is not None and t.device != x.device:
             raise ValueError(f"{name} is on {t.device}, x on {x.device}")
-    for name, t in (("weight", weight), ("bias", bias)):
+    for name, t in params:
         if t is not None and (t.shape != (n,) or not t.dtype.is_floating_point):
             raise ValueError(f"{name} must be a floating ({n},) tensor; got {tuple(t.shape)} {t.dtype}")
-    if out is None:
-        out = (
-            new_output(x),
-            new_output(x),
-        )
-    if len(out) != 2:
-        raise ValueError("out must be a tuple (out, new_residual)")
+
+
+def _check_outputs(x: torch.Tensor, residual: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor]) -> None:
     for name, t in (("out[0]", out[0]), ("out[1]", out[1])):
         if t.shape != x.shape or t.dtype != x.dtype or t.device != x.device:
             raise ValueError(
@@ -191,5 +287,3 @@ def add_layer_norm(
                 f"{name} {tuple(t.shape)} with strides {t.stride()}: its leading dims cannot be viewed as one without "
                 "a copy; pass a tensor of at most 3 dims or one whose leading dims collapse"
             )
-    run("add_layer_norm", _add_layer_norm_op, x, residual, weight, bias, float(eps), out[0], out[1])
-    return out[0], out[1]

@@ -27,7 +27,7 @@ BIND = {name for name, module in fusion_modules().items() if hasattr(module, "bi
 # words of the layout patchers' refusals: a graph patch never gives up because of a forward's source
 LAYOUT_WORDS = ("layout", "differs from", "is not a layout", "Llama-shape")
 KERNELS = ["rms_norm", "add_rms_norm", "silu_and_mul", "gelu_and_mul", "rope", "rope_and_cache", "linear_act",
-           "add_layer_norm", "decode_attention"]  # fmt: skip
+           "add_layer_norm", "add_layer_norm_pair", "decode_attention"]  # fmt: skip
 
 
 def test_the_catalogue_binds_the_documented_fusions() -> None:
@@ -224,6 +224,27 @@ def test_rewritten_llama_graph_calls_the_kernels(calls: collections.Counter) -> 
     prefill, decode, _ = prefill_and_decode(model, ids, token)
     assert sum(calls.values()) == 0
     assert torch.equal(prefill, ref_prefill) and torch.equal(decode, ref_decode)
+
+
+def test_neoxs_two_norms_of_one_residual_are_one_launch(calls: collections.Counter) -> None:
+    """GPT-NeoX's parallel block normalises the sum closing a layer twice (the next layer's attention and MLP norms,
+    each with its own weight and bias): one add_layer_norm_pair launch replaces the add and both. tiny-neox, per
+    forward: layer 1's pair; the final norm's single add_layer_norm; layer 0's two norms read the embeddings, no add,
+    and stay aten's."""
+    model, ids = lm("tiny-neox")
+    ref_prefill, ref_decode, token = prefill_and_decode(model, ids)
+    with patch(model, ["add_layer_norm"]) as r:
+        assert r.rewritten == ["add_layer_norm"]
+        assert set(r.applied["add_layer_norm"]) == {"gpt_neox.layers.1.input_layernorm", "gpt_neox.final_layer_norm"}
+        prefill, decode, _ = prefill_and_decode(model, ids, token)  # any capture happens here, not profiled below
+        calls.clear()
+        with torch.profiler.profile() as prof:
+            prefill_and_decode(model, ids, token)
+        assert calls["add_layer_norm_pair"] == 2 and calls["add_layer_norm"] == 2, calls  # prefill and decode
+        norms = [e for e in prof.events() if e.name == "aten::native_layer_norm"]
+        assert len(norms) == 4, len(norms)  # layer 0's two norms, in the prompt's forward and the decode step's
+        assert_logits_close(prefill, ref_prefill)
+        assert_logits_close(decode, ref_decode)
 
 
 def test_patch_without_where_patches_every_fusion_found() -> None:

@@ -354,6 +354,37 @@ def add_layer_norm_case(rows: int, hidden: int) -> Case:
     )
 
 
+def _hf_add_layer_norm_pair(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, b: torch.Tensor, w2: torch.Tensor,
+                            b2: torch.Tensor):  # fmt: skip
+    h = x + r
+    return F.layer_norm(h, (h.shape[-1],), w, b, EPS), F.layer_norm(h, (h.shape[-1],), w2, b2, EPS), h
+
+
+def add_layer_norm_pair_case(rows: int, hidden: int) -> Case:
+    """GPT-NeoX's parallel block: the residual add and both LayerNorms of the sum."""
+    mod = kernel_module("add_layer_norm")
+    single = _norm_inputs(rows, hidden, "x r w b")
+    names = ("x", "r", "w", "b", "w2", "b2")
+
+    def build(dev: torch.device, dt: torch.dtype) -> dict[str, Any]:
+        second = single(dev, dt)
+        return {**single(dev, dt), "w2": second["w"], "b2": second["b"]}
+
+    return Case(
+        "add_layer_norm_pair",
+        f"{rows}x{hidden}",
+        _phase(rows),
+        build=build,
+        traffic=lambda i: 5 * nbytes(i["x"]) + nbytes(i["w"], i["b"], i["w2"], i["b2"]),
+        variants={
+            "eager": lambda i: _hf_add_layer_norm_pair(*(i[n] for n in names)),
+            "compile": lambda i: _compiled(_hf_add_layer_norm_pair)(*(i[n] for n in names)),
+            "fusionscope": lambda i: mod.add_layer_norm_pair(*(i[n] for n in names), EPS),
+        },
+        reference=lambda i: mod.add_layer_norm_pair_reference(*(_f64(i)[n] for n in names), EPS),
+    )
+
+
 def _bias_gelu_tanh(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return F.gelu(x + b, approximate="tanh")
 
@@ -573,7 +604,9 @@ def decode_attention_cases() -> list[Case]:
 
 
 def add_layer_norm_cases() -> list[Case]:
-    return [add_layer_norm_case(rows, hidden) for rows, hidden in _rows_sweep()]
+    return [
+        case(rows, hidden) for rows, hidden in _rows_sweep() for case in (add_layer_norm_case, add_layer_norm_pair_case)
+    ]
 
 
 def bias_gelu_cases() -> list[Case]:

@@ -44,24 +44,47 @@ LAYER_NORMS = ("aten::native_layer_norm", "aten::layer_norm")
 
 def find(graph: Graph) -> list[Match]:
     matches = []
+    taken: set[int] = set()
     for norm in (n for n, name in graph.name.items() if name in LAYER_NORMS):
+        if norm in taken:
+            continue
         residual = graph.producer(norm)  # the tensor the kernel writes as the new residual
         add = residual
         if graph.name.get(residual) == "aten::clone" and graph.only_consumer(graph.producer(residual)) == residual:
             add = graph.producer(residual)
         if not is_residual_add(graph, add):
             continue
-        group = {add, residual, norm}
+        norms = _pair(graph, residual, norm) or (norm,)
+        taken.update(norms)
+        group = {add, residual, *norms}
         phase, step = graph.where(norm)
         matches.append(Match(KEY, phase, step, tuple(sorted(group)), graph.module[norm],
-                             escaping=graph.escaping(group, {residual, norm})))  # fmt: skip
+                             escaping=graph.escaping(group, {residual, *norms})))  # fmt: skip
     return matches
+
+
+def _pair(graph: Graph, residual: int, norm: int) -> tuple[int, int] | None:
+    """`norm` and a second LayerNorm of the same sum (GPT-NeoX's parallel block: one for attention, one for the
+    MLP), both with a weight, a bias and one ε, as `add_layer_norm_pair` takes them; None when there is not exactly
+    one such second norm."""
+    others = [c for c in dict.fromkeys(graph.consumers.get(residual, ()))
+              if c != norm and graph.name.get(c) in LAYER_NORMS and graph.producer(c) == residual]  # fmt: skip
+    if len(others) != 1:
+        return None
+    shapes = graph.column("input_shapes", ())
+    if any(len(shapes.get(n) or ()) != 3 for n in (norm, others[0])):
+        return None
+    if scalar_values(graph, norm)[-1:] != scalar_values(graph, others[0])[-1:]:
+        return None
+    return (norm, others[0])
 
 
 def bind(graph: Graph, match: Match) -> Binding | str:
     """One `add_layer_norm(a, b, weight, bias, ε)` in place of the residual add (and its clone) and the LayerNorm:
-    its results replace the norm's output and the new residual."""
-    norm = next((n for n in match.nodes if graph.name.get(n) in LAYER_NORMS), -1)
+    its results replace the norm's output and the new residual. With two LayerNorms of the sum, one
+    `add_layer_norm_pair` replaces both."""
+    norms = [n for n in match.nodes if graph.name.get(n) in LAYER_NORMS]
+    norm = norms[0] if norms else -1
     residual = graph.producer(norm)
     add = graph.producer(residual) if graph.name.get(residual) == "aten::clone" else residual
     shapes = graph.column("input_shapes", ()).get(add) or ()
@@ -74,6 +97,9 @@ def bind(graph: Graph, match: Match) -> Binding | str:
     eps = scalar_values(graph, norm)
     if not eps:
         return "ε is not a constant of the LayerNorm"
+    if len(norms) == 2:
+        args = (In(add, 0), In(add, 1), In(norm, 1), In(norm, 2), In(norms[1], 1), In(norms[1], 2), eps[-1])
+        return Binding(fused_add_layer_norm_pair, args, (norm, norms[1], residual), match.nodes)
     args = (In(add, 0), In(add, 1), In(norm, 1), In(norm, 2), eps[-1])
     return Binding(fused_add_layer_norm, args, (norm, residual), match.nodes)
 
@@ -84,11 +110,19 @@ def fused_add_layer_norm(a: Any, b: Any, weight: Any, bias: Any, eps: float) -> 
     return add_layer_norm(a, b, weight, bias, eps)
 
 
-def micro_case(graph: Graph, match: Match) -> Case | None:
-    """The bench case on this match's shape: (rows, hidden) of the residual add."""
-    from fusionscope.bench.cases import add_layer_norm_case
+def fused_add_layer_norm_pair(a: Any, b: Any, weight: Any, bias: Any, weight2: Any, bias2: Any,
+                              eps: float) -> tuple[Any, Any, Any]:  # fmt: skip
+    from fusionscope.kernels import add_layer_norm_pair
 
-    return row_micro_case(graph, match, "aten::add", add_layer_norm_case)
+    return add_layer_norm_pair(a, b, weight, bias, weight2, bias2, eps)
+
+
+def micro_case(graph: Graph, match: Match) -> Case | None:
+    """The bench case on this match's shape: (rows, hidden) of the residual add; the pair's with two norms."""
+    from fusionscope.bench.cases import add_layer_norm_case, add_layer_norm_pair_case
+
+    pair = sum(graph.name.get(n) in LAYER_NORMS for n in match.nodes) == 2
+    return row_micro_case(graph, match, "aten::add", add_layer_norm_pair_case if pair else add_layer_norm_case)
 
 
 # BertSelfOutput / BertOutput and their copies: the children, and the forward's body

@@ -4,11 +4,14 @@
 the profiled replays of real decode steps leave 0.45–0.52 µs idle per kernel (every 7–8B run under
 `rewrite/runs/`). This script replays graphs of kernels of growing size: one-element adds, one-block adds, adds
 over many blocks, bf16 GEMVs that stream their weights from HBM, a GEMV and a small add alternating as in a decode
-step, the bundled RMSNorm, aten's LayerNorm and the bundled add + LayerNorm on one row. For each it says the
+step, the bundled RMSNorm, aten's LayerNorm and the bundled add + LayerNorm (one norm, and
+GPT-NeoX's pair) on one row. For each it says the
 profiled gap per kernel and, timed without the profiler, the replay's wall time less its kernels' busy time, per
 kernel.
 
     python reports/apply/graph_gap.py OUT_DIR      # on a GPU; writes OUT_DIR/graph_gap.json
+    python reports/apply/graph_gap.py --repredict GAP_US RUN_FOLDER...    # anywhere: the runs' graph predictions
+                                                                          # again, with GAP_US as the roof
 """
 
 from __future__ import annotations
@@ -111,6 +114,13 @@ def cases() -> dict[str, Callable[[], None]]:
                 add_layer_norm(x, residual, norm_w, bias, 1e-5)
 
         found["bundled add_layer_norm (1, 4096) × 256"] = add_layer_norms
+        from fusionscope.kernels import add_layer_norm_pair
+
+        def add_layer_norm_pairs() -> None:
+            for _ in range(256):
+                add_layer_norm_pair(x, residual, norm_w, bias, bias, norm_w, 1e-5)
+
+        found["bundled add_layer_norm_pair (1, 4096) × 256"] = add_layer_norm_pairs
     except ImportError as error:
         print(f"add_layer_norm not loaded: {error}")
     return found
@@ -139,5 +149,37 @@ def main(out_dir: Path) -> None:
         (out_dir / "graph_gap.json").write_text(json.dumps(result, indent=1))
 
 
+def repredict(gap_us: float, folders: list[Path]) -> list[dict]:
+    """Each `apply --graphs` run's predicted ms for graph and fused + graph, as `apply.run` computes them, with its
+    own `roofs.graph_gap_us` and with `gap_us`, beside what it measured: the same profiled GPU time, savings and
+    kernel counts, only the per-kernel idle term changed."""
+    from fusionscope.apply.run import predicted
+
+    rows = []
+    for folder in folders:
+        summary = json.loads((folder / "summary.json").read_text())
+        graphs = summary["apply"]["graphs"]
+        variants = graphs["variants"]
+        gpu_us = summary["cumulative"]["decode"]["step_model"]["gpu_us"]
+        kernels = summary["phases"]["decode"]["kernels_per_step"]
+        pred = predicted(summary, "decode", variants["fused + graph"]["fusions"])
+        fused_kernels = kernels - (pred.get("kernels_removed") or 0.0) + (pred.get("launches_added") or 0.0)
+        fused_gpu_us = gpu_us - (pred.get("saved_gpu_us") or 0.0)
+        row = {"run": folder.name, "roof_gap_us": summary["roofs"].get("graph_gap_us")}
+        for name, busy, count in (("graph", gpu_us, kernels), ("fused + graph", fused_gpu_us, fused_kernels)):
+            measured = variants[name].get("ms_per_token")
+            for label, gap in (("run's roof", row["roof_gap_us"] or 0.0), ("new roof", gap_us)):
+                ms = (busy + count * gap) / 1e3
+                row[f"{name}: {label} ms"] = round(ms, 3)
+                row[f"{name}: {label} err"] = round(measured / ms - 1, 3) if measured else None
+            row[f"{name}: measured ms"] = measured
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    if sys.argv[1] == "--repredict":
+        repredict(float(sys.argv[2]), [Path(p) for p in sys.argv[3:]])
+    else:
+        main(Path(sys.argv[1]))

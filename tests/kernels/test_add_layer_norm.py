@@ -3,10 +3,17 @@ the new residual equals eager's add bit for bit, the output agrees at the dtype'
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
-from fusionscope.kernels.add_layer_norm import add_layer_norm, add_layer_norm_reference
+from fusionscope.kernels.add_layer_norm import (
+    add_layer_norm,
+    add_layer_norm_pair,
+    add_layer_norm_pair_reference,
+    add_layer_norm_reference,
+)
 from fusionscope.kernels.tolerances import assert_close
 
 from tests.kernels.conftest import device, poisoned, randn
@@ -120,3 +127,54 @@ def test_bad_inputs() -> None:
     with pytest.raises(ValueError, match="cannot be viewed"):
         x4 = randn(2, 3, 4, 64, dtype=torch.float32).transpose(0, 1)
         add_layer_norm(x4, x4, w, None, EPS)
+
+
+def _check_pair(x: torch.Tensor, r: torch.Tensor, params: tuple[torch.Tensor, ...], got: tuple) -> None:
+    """Both outputs against fp64 LayerNorms of x + r and against eager's at the dtype's tolerance; the sum exactly."""
+    w, b, w2, b2 = params
+    out, out2, h = got
+    dtype = x.dtype
+    h64 = x.double() + r.double()
+    assert_close(h, h64, dtype)
+    for got_norm, weight, bias in ((out, w, b), (out2, w2, b2)):
+        assert got_norm.shape == x.shape and got_norm.dtype == dtype
+        assert_close(got_norm, F.layer_norm(h64, (x.shape[-1],), weight.double(), bias.double(), EPS), dtype)
+    eager = add_layer_norm_pair_reference(x, r, w, b, w2, b2, EPS)
+    assert torch.equal(h, eager[2])
+    assert_close(out, eager[0], dtype)
+    assert_close(out2, eager[1], dtype)
+
+
+@pytest.mark.parametrize(("shape", "strided"), [((1, 123), False), ((3, 1000), True), ((2, 5, 768), False)])
+def test_add_layer_norm_pair(shape: tuple[int, ...], strided: bool, dtype: torch.dtype, monkeypatch) -> None:
+    """Two LayerNorms of one sum (GPT-NeoX's parallel block), each with its own weight and bias, from one launch:
+    odd widths, a strided x, residual and weight, a 3-D batch; the outputs it allocates are NaN-poisoned first."""
+    module = sys.modules[add_layer_norm_pair.__module__]
+    monkeypatch.setattr(module, "new_output", lambda like: poisoned(tuple(like.shape), like.dtype))
+    n = shape[-1]
+    x, r = randn(*shape, dtype=dtype, strided=strided), randn(*shape, dtype=dtype, strided=strided)
+    w, b = _params(n, dtype, True)
+    w2, b2 = _params(n, dtype, True)
+    if strided:
+        w2 = randn(n, dtype=dtype, strided=True) + 1.0
+    _check_pair(x, r, (w, b, w2, b2), add_layer_norm_pair(x, r, w, b, w2, b2, EPS))
+
+
+def test_add_layer_norm_pair_outputs_differ_by_their_own_weights() -> None:
+    """The second output is made with the second weight and bias, not the first's (a kernel reusing one pair of
+    parameters would pass the single-norm checks)."""
+    x, r = randn(2, 96, dtype=torch.float32), randn(2, 96, dtype=torch.float32)
+    w, b = _params(96, torch.float32, True)
+    out, out2, _ = add_layer_norm_pair(x, r, w, b, -w, b + 1.0, EPS)
+    normed = F.layer_norm(x + r, (96,), None, None, EPS)
+    assert_close(out2, -normed * w + b + 1.0, torch.float32)
+    assert not torch.allclose(out, out2)
+
+
+def test_add_layer_norm_pair_needs_both_weights_and_biases() -> None:
+    x, r = randn(3, 64, dtype=torch.float32), randn(3, 64, dtype=torch.float32)
+    w = randn(64, dtype=torch.float32)
+    with pytest.raises(ValueError, match="bias2 is required"):
+        add_layer_norm_pair(x, r, w, w, w, None, EPS)
+    with pytest.raises(ValueError, match=r"weight2 must be a floating \(64,\)"):
+        add_layer_norm_pair(x, r, w, w, w[:32], w, EPS)
