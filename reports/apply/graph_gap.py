@@ -1,13 +1,13 @@
 """How long the GPU idles between two kernels of a replayed CUDA graph, by the kind of kernel replayed.
 
-`fusionscope.device` measures the step model's `graph_gap_us` with one-element adds (0.08 µs on the H200), while
-the profiled replays of real decode steps leave 0.45–0.52 µs idle per kernel (every 7–8B run under
-`rewrite/runs/`). This script replays graphs of kernels of growing size: one-element adds, one-block adds, adds
-over many blocks, bf16 GEMVs that stream their weights from HBM, a GEMV and a small add alternating as in a decode
-step, the bundled RMSNorm, aten's LayerNorm and the bundled add + LayerNorm (one norm, and
-GPT-NeoX's pair) on one row. For each it says the
-profiled gap per kernel and, timed without the profiler, the replay's wall time less its kernels' busy time, per
-kernel.
+`fusionscope.device` measured the step model's `graph_gap_us` with one-element adds (0.08 µs on the H200) until
+this script showed why the graph predictions came out short: the profiled replays of real decode steps leave
+0.45–0.52 µs idle per kernel (every 7–8B run under `rewrite/runs/`). It replays graphs of kernels of growing size:
+one-element adds, one-block adds, adds over many blocks, bf16 GEMVs that stream their weights from HBM, a GEMV and
+a small add alternating as in a decode step, the bundled RMSNorm, aten's LayerNorm and the bundled add + LayerNorm
+(one norm, and GPT-NeoX's pair) on one row; then `fusionscope.device`'s own roof measurement, three times. For each
+it says the profiled gap per kernel and, timed without the profiler, the replay's wall time less its kernels' busy
+time, per kernel.
 
     python reports/apply/graph_gap.py OUT_DIR      # on a GPU; writes OUT_DIR/graph_gap.json
     python reports/apply/graph_gap.py --repredict GAP_US RUN_FOLDER...    # anywhere: the runs' graph predictions
@@ -147,6 +147,11 @@ def main(out_dir: Path) -> None:
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
         (out_dir / "graph_gap.json").write_text(json.dumps(result, indent=1))
+    from fusionscope.device import _graph_gap_us
+
+    result["device_roof_graph_gap_us"] = [_graph_gap_us() for _ in range(3)]
+    print("fusionscope.device's graph_gap_us, three times:", result["device_roof_graph_gap_us"], flush=True)
+    (out_dir / "graph_gap.json").write_text(json.dumps(result, indent=1))
 
 
 def repredict(gap_us: float, folders: list[Path]) -> list[dict]:
