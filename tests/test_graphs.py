@@ -26,9 +26,21 @@ def tiny() -> tuple[torch.nn.Module, torch.Tensor]:
     return workload.module, workload.inputs[0]
 
 
-def test_apply_graphs_checks_every_variant_teacher_forced_on_the_cpu(tmp_path) -> None:
+def test_apply_graphs_checks_every_variant_teacher_forced_on_the_cpu(tmp_path, monkeypatch) -> None:
+    """Also: every eager reference of the run, the graph stage's included, runs on the run's cache (static under
+    --graphs), where a patched forward's graphs captured for the eager check serve the next (on a dynamic cache the
+    patched forward was captured twice more for the growing cache)."""
+    caches: list[str] = []
+    plain = numerics.reference
+
+    def spied(*args, **kwargs):
+        caches.append(kwargs.get("cache", "dynamic"))
+        return plain(*args, **kwargs)
+
+    monkeypatch.setattr(numerics, "reference", spied)
     run = fusionscope.apply("tiny-llama", out=tmp_path / "r", prompt_len=8, decode_steps=3, warmup=0, repeats=1,
                             graphs=True)  # fmt: skip
+    assert caches and set(caches) == {"static"}, caches
     result = json.loads((tmp_path / "r" / "summary.json").read_text())["apply"]["graphs"]
     variants = result["variants"]
     passing = [r["fusion"] for r in run.apply["fusions"] if r["status"] == "passed"]

@@ -368,8 +368,9 @@ def run_graphs(workload: Any, fusions_by_variant: dict[str, list[str]], enter: C
             row: dict[str, Any] = {"fusions": fusions, "ms_per_token_rounds": []}
             try:
                 with enter_fn(), built(make, capture) as (decoder, seconds):
-                    # the eager model with the same patches (greedy, its own dynamic cache) sets the tokens fed
-                    eager_ref = numerics.reference(model, ids, steps) if fusions else ref
+                    # the eager model with the same patches (greedy, on the run's cache, as `ref`) sets the tokens
+                    # fed; on a static cache the patched forward's graphs captured for the eager check serve it
+                    eager_ref = numerics.reference(model, ids, steps, cache=workload.cache) if fusions else ref
                     test, own_tokens = teacher_forced(decoder, eager_ref)
                     row["first_call_s"] = compile_seconds + seconds if name == COMPILE else seconds
                     if name == FUSED_COMPILE:
