@@ -15,11 +15,9 @@ steps, straggler, communication) and HTA's GPU idle time and launch statistics w
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import gc
 import gzip
-import io
 import json
 import shutil
 import tempfile
@@ -48,6 +46,7 @@ from fusionscope.run_folder import (
     finish_run_folder,
     staged_dir,
 )
+from fusionscope.table_writer import distinct_objects, tables_beside
 from fusionscope.trace import GPU_CATS, Timeline
 from fusionscope.trace_fields import to_int
 
@@ -144,12 +143,11 @@ def _analyze_file(path: Path, out: str | Path | None, device: str | None, on_sta
     record_ids = parsed.record_ids if et_path is not None else {}
     note("costing and classifying kernels")
     kernels = classify(kernel_table(timeline), roofs)
-    note("matching the fusion catalogue (dataflow inferred from op order and shapes, or the execution trace)")
-    found = match_catalogue(timeline, kernels, roofs, et_path, record_ids)
-    summary = summarize(facts, name, timeline, kernels, roofs, [*missing, *roof_missing], found)
-    note("writing the tables")
-    with staged_dir(out_dir) as tmp:
-        write_tables(tmp, kernels, timeline.ops)
+    note("writing the tables (large ones by a second process, beside the next stages)")
+    with staged_dir(out_dir) as tmp, tables_beside(tmp, kernels, timeline.ops):
+        note("matching the fusion catalogue (dataflow inferred from op order and shapes, or the execution trace)")
+        found = match_catalogue(timeline, kernels, roofs, et_path, record_ids)
+        summary = summarize(facts, name, timeline, kernels, roofs, [*missing, *roof_missing], found)
         finish_folder(tmp, summary, kernels, {TRACE_COPY: facts.path}, t_start, on_stage)
     return Run(out_dir=out_dir, summary=summary, kernels=kernels)
 
@@ -587,107 +585,6 @@ def dominant_dtype(ops: pd.DataFrame) -> str | None:
     return str(dtypes.mode().iat[0]) if len(dtypes) else None
 
 
-def distinct_objects(listed: list) -> tuple[np.ndarray, np.ndarray]:
-    """Each value's code among the distinct objects (by identity, whatever they hold: lists too), and the place of
-    each one's first occurrence: what is computed per object is then computed once."""
-    ids = np.fromiter(map(id, listed), dtype=np.int64, count=len(listed))
-    codes, uniques = pd.factorize(ids)
-    first = np.empty(len(uniques), dtype=np.int64)
-    first[codes[::-1]] = np.arange(len(listed) - 1, -1, -1)
-    return codes, first
-
-
-def write_tables(folder: Path, kernels: pd.DataFrame, ops: pd.DataFrame) -> None:
-    """kernels.csv and ops.csv, as `run_folder.write_tables` writes them (`write_csv`)."""
-    write_csv(kernels, folder / "kernels.csv")
-    write_csv(ops, folder / "ops.csv")
-
-
-def write_csv(frame: pd.DataFrame, path: Path) -> None:
-    """`frame.to_csv(path, index=False, float_format="%.6g")`, byte for byte, in a fraction of its time: each column
-    becomes the fields pandas would write (`_csv_fields`: floats formatted in one pass, each distinct object of an
-    object column formatted and quoted once: the ops' shape lists and the names are shared objects, `trace_events`),
-    joined into lines by `str.join` rather than `csv.writer`, which scans every character of every field; `CSV_ROWS`
-    rows at a time, as the text of a million-event trace's tables is hundreds of MB. Each part is written by another
-    thread while the next is formatted: the write into the page cache releases the GIL, and at a million events it
-    took a third of the table's time. A frame of one column (whose empty fields `csv` quotes) or with a column of any
-    other dtype is left to pandas."""
-    columns = [_csv_fields(frame.iloc[:0, j]) for j in range(frame.shape[1])] if frame.shape[1] > 1 else [None]
-    if any(c is None for c in columns):
-        frame.to_csv(path, index=False, float_format="%.6g")
-        return
-    header = ",".join(_csv_quoted(label if isinstance(label, str) else _csv_text(label)) for label in frame.columns)
-    with open(path, "wb") as f, ThreadPoolExecutor(max_workers=1) as writer:
-        pending = writer.submit(f.write, (header + "\n").encode("utf-8"))
-        for start in range(0, len(frame), CSV_ROWS):
-            part = frame.iloc[start : start + CSV_ROWS]
-            columns = [_csv_fields(part.iloc[:, j]) for j in range(part.shape[1])]
-            text = ("\n".join(map(",".join, zip(*columns))) + "\n").encode("utf-8")
-            pending.result()  # one part in flight: the text of a table is never whole in memory
-            pending = writer.submit(f.write, text)
-        pending.result()
-
-
-CSV_ROWS = 1 << 16  # rows of a table formatted and written at a time
-
-
-FLOAT_FIELD = "%.6g".__mod__  # pandas' float_format="%.6g"
-
-
-def _csv_fields(column: pd.Series) -> list[str] | None:
-    """The fields `to_csv(float_format="%.6g")` writes for a column, quoted as its `csv` writer quotes them: floats
-    by "%.6g" (NaN empty), ints and bools by str (neither needs quoting); objects empty when missing, by repr when
-    floats (as `csv` writes them), else by str. None for another dtype (categorical, nullable, dates). Each distinct
-    value is formatted once (`_by_distinct`): tables repeat their steps, names, shapes and rates."""
-    values = column.to_numpy()
-    kind = values.dtype.kind
-    if kind == "f":
-        if ((values == 0) & np.signbit(values)).any():  # -0.0 is one value with 0.0 to factorize, and prints "-0"
-            return ["" if v != v else FLOAT_FIELD(v) for v in values.tolist()]
-        return _by_distinct(values, FLOAT_FIELD)
-    if kind in "iub":
-        return _by_distinct(values, str)
-    if kind != "O" or not isinstance(column.dtype, np.dtype):
-        return None
-    listed = values.tolist()
-    codes, first = distinct_objects(listed)  # each object once, whatever it holds
-    if len(first) > 1000 and pd.api.types.infer_dtype(values, skipna=False) == "string":
-        return _by_distinct(values, _csv_quoted)  # many string objects of few values (`bound`, `module`): by value
-    fields = [_csv_quoted(v) if type(v) is str else _csv_quoted(_csv_text(v)) for v in map(listed.__getitem__, first)]
-    return np.asarray(fields, dtype=object)[codes].tolist() if fields else []
-
-
-def _by_distinct(values: np.ndarray, field: Callable[[object], str]) -> list[str]:
-    """`field` of each value, computed once per distinct value (NaN: empty)."""
-    codes, uniques = pd.factorize(values)
-    fields = np.array([*map(field, np.asarray(uniques).tolist()), ""], dtype=object)  # code -1 (NaN): the last
-    return fields[codes].tolist()
-
-
-def _csv_text(value: object) -> str:
-    """One object column field as pandas and `csv` write it, before quoting."""
-    if value is None:
-        return ""
-    if not isinstance(value, list | tuple | dict | set | np.ndarray) and pd.isna(value):
-        return ""
-    return float.__repr__(value) if isinstance(value, float) else str(value)
-
-
-_CSV_PROBE = io.StringIO()
-_CSV_WRITER = csv.writer(_CSV_PROBE, lineterminator="\n")
-
-
-def _csv_quoted(text: str) -> str:
-    """`text` as a field of a row of several, quoted (or not) by the `csv` writer pandas uses, so that its rules
-    (which characters force quotes) are this Python's."""
-    if not text:
-        return text
-    _CSV_PROBE.seek(0)
-    _CSV_PROBE.truncate()
-    _CSV_WRITER.writerow((text, ""))
-    return _CSV_PROBE.getvalue()[:-2]
-
-
 def copy_trace(source: Path, target: Path) -> None:
     """Copy the trace into the run folder, gzipped as `profile`'s own trace is (Perfetto and HTA read both)."""
     if source.name.endswith(".gz"):
@@ -754,8 +651,7 @@ def analyze_ranks(
             entry["path"] = summary["ranks"]["merged_from"]
     note("writing the tables")
     copies = {TRACE_COPY: first.facts.path, **{RANK_COPY.format(rank=rt.rank): rt.facts.path for rt in traces[1:]}}
-    with staged_dir(out_dir) as tmp:
-        write_tables(tmp, kernels, ops)
+    with staged_dir(out_dir) as tmp, tables_beside(tmp, kernels, ops):
         finish_folder(tmp, summary, kernels, copies, t_start, on_stage)
     return Run(out_dir=out_dir, summary=summary, kernels=kernels)
 

@@ -1,6 +1,6 @@
 """The fast paths of `analyze` give what the plain ones give: msgspec's typed decode and the standard library's
-`json` (the fallback when msgspec is not installed) the same event frame and the same run folder, and `write_csv` the
-bytes pandas' `to_csv` writes."""
+`json` (the fallback when msgspec is not installed) the same event frame and the same run folder, and
+`table_writer.write_csv` the bytes pandas' `to_csv` writes."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from fusionscope import analyze, trace_events
+from fusionscope import analyze, table_writer, trace_events
 
 DATA = Path(__file__).resolve().parent / "data"
 TRACES = [
@@ -161,7 +161,7 @@ def tables() -> dict[str, pd.DataFrame]:
 def test_write_csv_is_pandas_to_csv(which: str, tables: dict[str, pd.DataFrame], tmp_path: Path) -> None:
     frame = tables[which]
     frame.to_csv(tmp_path / "pandas.csv", index=False, float_format="%.6g")
-    analyze.write_csv(frame, tmp_path / "fast.csv")
+    table_writer.write_csv(frame, tmp_path / "fast.csv")
     assert (tmp_path / "fast.csv").read_bytes() == (tmp_path / "pandas.csv").read_bytes()
 
 
@@ -173,7 +173,7 @@ def test_write_csv_of_many_equal_string_objects(tmp_path: Path) -> None:
                           "i": np.arange(3000) % 5})  # fmt: skip
     assert len({id(v) for v in frame["s"]}) > 1000
     frame.to_csv(tmp_path / "pandas.csv", index=False, float_format="%.6g")
-    analyze.write_csv(frame, tmp_path / "fast.csv")
+    table_writer.write_csv(frame, tmp_path / "fast.csv")
     assert (tmp_path / "fast.csv").read_bytes() == (tmp_path / "pandas.csv").read_bytes()
 
 
