@@ -16,6 +16,7 @@ import re
 import statistics
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -146,7 +147,7 @@ def measure_ceilings(device: torch.device, versions: dict[str, str] | None = Non
             launch_us=_triton_launch_us(),
             aten_op_host_us=_aten_op_us(device),
             fused_call_us=_fused_call_us(device),
-            graph_gap_us=_graph_gap_us(),
+            graph_gap_us=_graph_gap_us(device),
             datasheet=DATASHEETS.get(name),
             measured_at=now,
             versions=versions,
@@ -271,7 +272,7 @@ def _fused_call_us(device: torch.device) -> float | None:
     return _host_us(lambda: rms_norm(x, weight, 1e-6), 2000, torch.cuda.synchronize)
 
 
-def _graph_gap_us(pairs: int = 128, hidden: int = 4096) -> float | None:
+def _graph_gap_us(device: torch.device, pairs: int = 128, hidden: int = 4096) -> float | None:
     """GPU idle µs between two consecutive kernels of a replayed CUDA graph, in a decode step's pattern: `pairs`
     bf16 GEMVs (one row against a hidden × hidden weight, the weights together twice the L2, so each streams from
     memory) each followed by a one-row add, captured back to back; one replay profiled, (span − busy) ÷ gaps.
@@ -280,30 +281,37 @@ def _graph_gap_us(pairs: int = 128, hidden: int = 4096) -> float | None:
     H200 the adds leave 0.08–0.26 µs between them, a GEMV 0.70 and the GEMV + add pair 0.62 µs per kernel, and the
     replayed decode steps of 7–8B models 0.45–0.52 (`reports/apply/graph_gap.py` and its results)."""
     try:
-        from fusionscope.gpu_replay import profile_gpu, replay_figures
-
-        weight_bytes = hidden * hidden * 2
-        count = max(2, -(-2 * torch.cuda.get_device_properties(0).L2_cache_size // weight_bytes))
-        weights = [torch.randn(hidden, hidden, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
-        x = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
-        out = torch.empty_like(x)
-
-        def step() -> None:
-            for i in range(pairs):
-                torch.mm(x, weights[i % count], out=out)
-                out.add_(1)
-
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step()  # cuBLAS's handle and workspace outside the capture
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        graph.replay()
-        with tempfile.TemporaryDirectory(prefix="fusionscope-gap-") as tmp:
-            figures = replay_figures(profile_gpu(graph.replay, Path(tmp)))
-        return figures["gap_us_per_kernel"] if figures["kernels"] >= pairs else None
-    except Exception:  # a profiler that cannot see into graphs leaves the term out, it does not stop a run
+        with torch.cuda.device(device):
+            return _replayed_gap_us(device, pairs, hidden)
+    except Exception as error:  # a profiler that cannot see into graphs leaves the term out, it does not stop a run
+        warnings.warn(f"the idle time between replayed kernels was not measured: {type(error).__name__}: {error}",
+                      stacklevel=2)  # fmt: skip
         return None
+
+
+def _replayed_gap_us(device: torch.device, pairs: int, hidden: int) -> float | None:
+    from fusionscope.gpu_replay import profile_gpu, replay_figures
+
+    weight_bytes = hidden * hidden * 2
+    count = max(2, -(-2 * torch.cuda.get_device_properties(device).L2_cache_size // weight_bytes))
+    weights = [torch.randn(hidden, hidden, device=device, dtype=torch.bfloat16) for _ in range(count)]
+    x = torch.randn(1, hidden, device=device, dtype=torch.bfloat16)
+    out = torch.empty_like(x)
+
+    def step() -> None:
+        for i in range(pairs):
+            torch.mm(x, weights[i % count], out=out)
+            out.add_(1)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # cuBLAS's handle and workspace outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    with tempfile.TemporaryDirectory(prefix="fusionscope-gap-") as tmp:
+        figures = replay_figures(profile_gpu(graph.replay, Path(tmp)))
+    return figures["gap_us_per_kernel"] if figures["kernels"] >= 2 * pairs else None  # a GEMV and an add each

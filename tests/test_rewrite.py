@@ -498,6 +498,32 @@ def test_an_in_place_write_between_the_groups_ops_keeps_it_unfused() -> None:
     assert torch.equal(got, ref)
 
 
+class ParallelNorms(nn.Module):
+    """GPT-NeoX's two LayerNorms of one residual sum, with `p` written in place between them: the pair's group (the
+    add and both norms) spans that write to one of its inputs, the add and the first norm alone do not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.ln1, self.ln2 = nn.Linear(32, 32), nn.LayerNorm(32), nn.LayerNorm(32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.proj(x)
+        h = x + p
+        a = self.ln1(h)
+        p.mul_(2.0)
+        return a + self.ln2(h) + p
+
+
+def test_a_pair_the_graph_refuses_falls_back_to_its_first_norm(calls: collections.Counter) -> None:
+    model = ParallelNorms()
+    for norm in (model.ln1, model.ln2):
+        nn.init.normal_(norm.weight, 1.0, 0.2), nn.init.normal_(norm.bias, 0.0, 0.2)
+    r, ref, got = graph_patch(model, torch.randn(2, 4, 32))
+    assert r.applied == {"add_layer_norm": ["ln1"]}, (r.applied, r.skipped)
+    assert calls["add_layer_norm"] == 2 and calls["add_layer_norm_pair"] == 0, calls  # the example call, then ours
+    assert_logits_close(got, ref)
+
+
 class RotaryBSHD(nn.Module):
     """q and k as (B, S, H, D), cos/sin unsqueezed on dim 2: a layout the rope kernel does not take."""
 

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 from fusionscope.roofline import (
     CATEGORIES,
@@ -463,3 +464,12 @@ def test_classify_kernels_is_fast() -> None:
     out = classify_kernels(df, BW, PEAKS)
     assert time.perf_counter() - start < 1.0
     assert set(out["bound"]) <= {"compute", "memory", "latency", "unmodeled"}
+
+
+def test_a_graph_gap_that_cannot_be_measured_says_why_and_leaves_the_term_out() -> None:
+    """The idle time between replayed kernels needs CUDA graphs; where it cannot be measured the roof is None (the
+    step model then adds no idle time) and a warning names the reason, rather than the term vanishing silently."""
+    from fusionscope.device import _graph_gap_us
+
+    with pytest.warns(UserWarning, match="idle time between replayed kernels was not measured"):
+        assert _graph_gap_us(torch.device("cpu")) is None

@@ -380,6 +380,9 @@ def rewrite_graph(gm: fx.GraphModule, fakes: tuple[Any, list[Any], list[bool]], 
             seen = results.setdefault(fusion, {})
             binding = modules[fusion].bind(graph, match)
             why = binding if isinstance(binding, str) else replace_group(gm, traced, binding, taken)
+            while why and not isinstance(binding, str) and binding.fallback is not None:
+                binding = binding.fallback
+                why = replace_group(gm, traced, binding, taken)
             if not seen.get(match.anchor_module):
                 seen[match.anchor_module] = why
     drop_dead(gm, traced)

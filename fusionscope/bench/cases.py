@@ -363,12 +363,12 @@ def _hf_add_layer_norm_pair(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, b
 def add_layer_norm_pair_case(rows: int, hidden: int) -> Case:
     """GPT-NeoX's parallel block: the residual add and both LayerNorms of the sum."""
     mod = kernel_module("add_layer_norm")
-    single = _norm_inputs(rows, hidden, "x r w b")
+    first, second = _norm_inputs(rows, hidden, "x r w b"), _norm_inputs(rows, hidden, "w b")
     names = ("x", "r", "w", "b", "w2", "b2")
 
     def build(dev: torch.device, dt: torch.dtype) -> dict[str, Any]:
-        second = single(dev, dt)
-        return {**single(dev, dt), "w2": second["w"], "b2": second["b"]}
+        two = second(dev, dt)
+        return {**first(dev, dt), "w2": two["w"], "b2": two["b"]}
 
     return Case(
         "add_layer_norm_pair",

@@ -10,6 +10,12 @@ fused kernel's residual write replaces it. GPT-2 thus matches every LayerNorm: l
 5·N·s (add reads 2, writes 1; layer_norm reads 1, writes 1; plus 8 bytes of statistics), 7·N·s with the copy;
 fused 4·N·s (reads x and residual, writes the residual and the output).
 
+GPT-NeoX's parallel block normalises the sum twice, once for attention and once for the MLP: when exactly two
+LayerNorms with a weight, a bias and one ε read it, the match holds the add and both, and the graph patch calls
+`add_layer_norm_pair` (statistics once, both outputs written from registers): unfused 7·N·s in three launches (the
+add 3, each norm 2), fused 5·N·s in one. Where the captured graph refuses the pair's wider span, the add and the
+first norm are patched alone (`Binding.fallback`).
+
 Patching (`patch`): GPT-2's blocks are rewritten per instance, carrying the residual across the block boundary
 (`fusionscope.apply.gpt2`): 2·L of the 2·L + 1 sites — block 0's ln_1 reads the embedding sum made inline in the
 model's forward and stays unfused. BERT-style post-LN outputs (`dense → dropout → LayerNorm(h + input_tensor)`, a
@@ -97,11 +103,12 @@ def bind(graph: Graph, match: Match) -> Binding | str:
     eps = scalar_values(graph, norm)
     if not eps:
         return "ε is not a constant of the LayerNorm"
-    if len(norms) == 2:
-        args = (In(add, 0), In(add, 1), In(norm, 1), In(norm, 2), In(norms[1], 1), In(norms[1], 2), eps[-1])
-        return Binding(fused_add_layer_norm_pair, args, (norm, norms[1], residual), match.nodes)
     args = (In(add, 0), In(add, 1), In(norm, 1), In(norm, 2), eps[-1])
-    return Binding(fused_add_layer_norm, args, (norm, residual), match.nodes)
+    single = Binding(fused_add_layer_norm, args, (norm, residual), tuple(n for n in match.nodes if n not in norms[1:]))
+    if len(norms) == 2:  # the pair, or where the graph refuses its wider span, the first norm alone
+        args = (*args[:4], In(norms[1], 1), In(norms[1], 2), eps[-1])
+        return Binding(fused_add_layer_norm_pair, args, (norm, norms[1], residual), match.nodes, fallback=single)
+    return single
 
 
 def fused_add_layer_norm(a: Any, b: Any, weight: Any, bias: Any, eps: float) -> tuple[Any, Any]:

@@ -134,12 +134,14 @@ class Out:
 class Binding:
     """How one match becomes one kernel call on a captured graph (`fusionscope.apply.rewrite`): `call(*args)` — args
     are `In` references or constants — replaces the ops `nodes`, and its results (one, or a tuple in this order)
-    replace the outputs of `outputs`."""
+    replace the outputs of `outputs`. `fallback`: a narrower binding of part of the match, tried when the captured
+    graph refuses this one (a wide group spans more of the graph, so more can lie between its ops)."""
 
     call: Callable[..., Any]
     args: tuple[Any, ...]
     outputs: tuple[int, ...]
     nodes: tuple[int, ...]
+    fallback: Binding | None = None
 
 
 def scalar_values(graph: Graph, node: int) -> list[float]:

@@ -155,8 +155,10 @@ def test_add_layer_norm_pair(shape: tuple[int, ...], strided: bool, dtype: torch
     x, r = randn(*shape, dtype=dtype, strided=strided), randn(*shape, dtype=dtype, strided=strided)
     w, b = _params(n, dtype, True)
     w2, b2 = _params(n, dtype, True)
-    if strided:
-        w2 = randn(n, dtype=dtype, strided=True) + 1.0
+    if strided:  # stride 2: every other element of a buffer twice as long
+        w2, b2 = randn(n, dtype=dtype, strided=True, scale=0.2), randn(n, dtype=dtype, strided=True, scale=0.2)
+        w2.add_(1.0)
+        assert w2.stride() == b2.stride() == (2,)
     _check_pair(x, r, (w, b, w2, b2), add_layer_norm_pair(x, r, w, b, w2, b2, EPS))
 
 
