@@ -96,6 +96,8 @@ def rope_and_cache_reference(
     """HF's rotation followed by StaticCache.update: rotates q and k, writes k_rot and v into the caches at
     `positions` IN PLACE (as the model does), and returns q_rot. Pass clones of the caches to keep the originals."""
     q_rot, k_rot = rope_reference(q, k, cos, sin)  # see rope_reference
+    if positions.dim() == 0:  # the first token's slot (StaticLayer: arange(S) + its write counter)
+        positions = positions + torch.arange(k.shape[2], device=positions.device)
     k_cache.index_copy_(2, positions, k_rot)  # read n_k·s, write n_k·s
     v_cache.index_copy_(2, positions, v)  # read n_k·s, write n_k·s
     return q_rot
@@ -268,7 +270,7 @@ def _rope_and_cache_kernel(
     v_ptr,  # (B, HK, S, D) new values
     cos_ptr,  # (B or 1, S, Dr)
     sin_ptr,  # (B or 1, S, Dr)
-    pos_ptr,  # (S,) int32/int64 cache slot of each new token; a slot outside [0, S_MAX) is not written
+    pos_ptr,  # (S,) int32/int64 cache slot of each new token, or with FROM_START one: the first token's (slot + s)
     qo_ptr,  # (B, HQ, S, D) rotated query (may be q itself)
     kc_ptr,  # (B, HK, S_MAX, D) key cache: rotated k written at slots pos
     vc_ptr,  # (B, HK, S_MAX, D) value cache: v written at slots pos
@@ -319,6 +321,8 @@ def _rope_and_cache_kernel(
     MUL_RN: tl.constexpr,  # True when compiled for CUDA (see _mul)
     WIDE: tl.constexpr,  # fp32 cos/sin with fp16/bf16 q and k (see _rotate_heads)
     BLOCK_D: tl.constexpr,
+    FROM_START: tl.constexpr,  # pos_ptr holds the first token's slot; token s goes to slot + s (a slot outside
+    # [0, S_MAX) is not written, either way)
 ):
     tok = tl.program_id(0)
     hb = tl.program_id(1)
@@ -336,7 +340,7 @@ def _rope_and_cache_kernel(
                 BLOCK_H, BLOCK_HALF, BLOCK_PASS, HAS_PASS, MUL_RN, WIDE,
             )  # fmt: skip
         else:
-            pos = tl.load(pos_ptr + s * stride_pos).to(tl.int64)
+            pos = tl.load(pos_ptr + s * stride_pos).to(tl.int64) + (s if FROM_START else 0)
             if (pos >= 0) & (pos < S_MAX):
                 _rotate_heads(
                     k_ptr + b * stride_kb + s * stride_ks, kc_ptr + b * stride_kcb + pos * stride_kcs,
@@ -344,7 +348,7 @@ def _rope_and_cache_kernel(
                     HALF, PASS, BLOCK_H, BLOCK_HALF, BLOCK_PASS, HAS_PASS, MUL_RN, WIDE,
                 )  # fmt: skip
     else:
-        pos = tl.load(pos_ptr + s * stride_pos).to(tl.int64)
+        pos = tl.load(pos_ptr + s * stride_pos).to(tl.int64) + (s if FROM_START else 0)
         if (pos >= 0) & (pos < S_MAX):
             _copy_heads(
                 v_ptr + b * stride_vb + s * stride_vs, vc_ptr + b * stride_vcb + pos * stride_vcs,
@@ -422,9 +426,10 @@ def _rope_and_cache_op(
     launchable(_rope_and_cache_kernel)[grid](
         q, k, v, cos, sin, positions, q_out, k_cache, v_cache,
         s, k_cache.shape[2], hq, hk, d, dr // 2, d - dr, n_qblocks, n_kblocks,
-        *q.stride(), *k.stride(), *v.stride(), *_cos_sin_strides(cos), *_cos_sin_strides(sin), positions.stride(0),
-        *q_out.stride(), *k_cache.stride(), *v_cache.stride(),
-        **meta, BLOCK_D=pow2(d), num_warps=_num_warps(meta["BLOCK_H"], meta["BLOCK_HALF"]),
+        *q.stride(), *k.stride(), *v.stride(), *_cos_sin_strides(cos), *_cos_sin_strides(sin),
+        positions.stride(0) if positions.dim() else 0, *q_out.stride(), *k_cache.stride(), *v_cache.stride(),
+        **meta, BLOCK_D=pow2(d), FROM_START=positions.dim() == 0, num_warps=_num_warps(meta["BLOCK_H"],
+                                                                                      meta["BLOCK_HALF"]),
     )  # fmt: skip
 
 
@@ -510,9 +515,11 @@ def rope_and_cache(
     q: (B, Hq, S, D); k, v: (B, Hk, S, D); any strides; cos/sin as for `rope`.
     k_cache, v_cache: (B, Hk, S_max, D) in q's dtype, any strides, written in place:
     `k_cache[:, :, positions] = rope(k)`, `v_cache[:, :, positions] = v`; every other slot is left untouched.
-    positions: (S,) int64 or int32 cache slots of the S new tokens, shared by the batch, on q's device. Slots must be
-    distinct and in [0, S_max): checked here when positions is a CPU tensor (no device sync); on the GPU the check
-    would cost a sync, so an out-of-range slot is instead skipped by the kernel (never written out of bounds).
+    positions: (S,) int64 or int32 cache slots of the S new tokens, shared by the batch, on q's device; or a 0-d one,
+    the first token's slot (token s goes to slot + s), read by the kernel on the device: a static cache's write
+    counter as it stands before the step (so no slots tensor is made per layer and step). Slots must be distinct and
+    in [0, S_max): checked here when positions is a CPU tensor (no device sync); on the GPU the check would cost a
+    sync, so an out-of-range slot is instead skipped by the kernel (never written out of bounds).
     out: optional (B, Hq, S, D) buffer for the rotated q (may be q itself). Returns it.
     """
     _check_rope_inputs(q, k, cos, sin)
@@ -526,16 +533,19 @@ def rope_and_cache(
             raise ValueError(f"{name} must be {k.dtype} on {k.device}; got {cache.dtype} on {cache.device}")
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache {tuple(v_cache.shape)} must match k_cache {tuple(k_cache.shape)}")
-    if positions.dim() != 1 or positions.shape[0] != s or positions.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"positions must be (S={s},) int64 or int32; got {tuple(positions.shape)} {positions.dtype}")
+    shape_ok = positions.dim() == 0 or (positions.dim() == 1 and positions.shape[0] == s)
+    if not shape_ok or positions.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"positions must be (S={s},) or 0-d, int64 or int32; got {tuple(positions.shape)} "
+                         f"{positions.dtype}")  # fmt: skip
     if positions.device != q.device:
         raise ValueError(f"positions is on {positions.device}, q on {q.device}")
     if positions.device.type == "cpu" and not torch.compiler.is_compiling():
         s_max = k_cache.shape[2]
-        if s and (int(positions.min()) < 0 or int(positions.max()) >= s_max):
-            raise ValueError(f"positions must lie in [0, S_max={s_max}); got {positions.tolist()}")
-        if positions.unique().numel() != s:
-            raise ValueError(f"positions must be distinct; got {positions.tolist()}")
+        slots = positions + torch.arange(s) if positions.dim() == 0 else positions
+        if s and (int(slots.min()) < 0 or int(slots.max()) >= s_max):
+            raise ValueError(f"positions must lie in [0, S_max={s_max}); got {slots.tolist()}")
+        if slots.unique().numel() != s:
+            raise ValueError(f"positions must be distinct; got {slots.tolist()}")
     if out is None:
         out = new_output(q)
     _check_out("out", out, q)

@@ -175,16 +175,27 @@ def test_every_bind_fusion_including_decode_attention_on_a_static_cache(family: 
         capture.run_sequence(replace(workload, decode_steps=1), lambda _phase, fn: fn())
 
     where = [{"fusion": f, "module_paths": sites[f]} for f in found]
-    with patch(model, where, example=example) as r:
+    slots: list[int] = []  # the dims of each rope_and_cache call's positions: 0, the cache's write counter
+    counted = fusionscope.kernels.rope_and_cache
+
+    def recording(*args, **kwargs):
+        slots.append(args[7].dim())
+        return counted(*args, **kwargs)
+
+    with patch(model, where, example=example) as r, pytest.MonkeyPatch.context() as mp:
         assert r.capture == "" and r.skipped == {}, (r.capture, r.skipped)
         assert set(r.rewritten) == found
         assert all(set(r.applied[f]) == set(sites[f]) for f in found)
         calls.clear()
+        mp.setattr(fusionscope.kernels, "rope_and_cache", recording)
         test = numerics.reference(model, ids, 2, cache="static")
         layers = len(sites["decode_attention"])
         assert calls["decode_attention"] == 2 * layers  # two decode steps, one launch per attention layer
         # rope takes the static cache's writes of k and v: one rope_and_cache per layer and forward (prefill too)
         assert calls["rope_and_cache"] == 3 * layers and calls["rope"] == 0, calls
+        # ... the slots read from the cache's write counter (a 0-d `positions`): StaticLayer's arange and add that
+        # make them per layer and forward are replaced too
+        assert slots == [0] * 3 * layers, slots
     fig = numerics.compare(test, ref)
     assert fig["max_abs"] <= 1e-4 * max(1.0, fig["ref_scale"]) and fig["tokens_equal"] == 1.0, fig
 

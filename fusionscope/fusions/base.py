@@ -173,3 +173,38 @@ def gating_muls(graph: Graph, node: int) -> list[int]:
     """Readers of `node` that multiply it by another computed tensor (a GLU's gate × up)."""
     readers = sorted(set(graph.consumers.get(node, ())))
     return [c for c in readers if graph.name.get(c) == "aten::mul" and len(set(graph.producers(c)) - {node}) == 1]
+
+
+def counter_slots(graph: Graph, k_write: int, v_write: int) -> tuple[int, ...] | None:
+    """transformers' StaticLayer makes the write slots per layer and step from its write counter, then advances it:
+    `slots = arange(S) + counter; counter.add_(S)`, two small launches besides the counter's own. The nodes of that
+    (what hands the arange to the add, as a captured graph's `detach`, and the arange; the add; the counter's `add_`),
+    when both writes read exactly those slots and the `add_` of a tensor no recorded op made (the counter: an input of
+    the captured graph) follows the add at once in the same module, by S; None otherwise. `rope_and_cache` then reads
+    the counter as the first slot (a 0-d `positions`)."""
+    name, scalars = graph.name, graph.column("scalars", ())
+    slots = graph.producer(k_write, 1)
+    if name.get(slots) != "aten::add" or graph.producer(v_write, 1) != slots:
+        return None
+    ins = graph.inputs.get(slots, ())
+    made = [slots]  # the arange and what hands it to the add (a captured graph's `detach`)
+    while len(ins) in (1, 2) and name.get(ins[0]) in ("aten::detach", "aten::alias", "aten::arange"):
+        if set(graph.consumers.get(ins[0], ())) != {made[-1]}:
+            return None
+        made.append(ins[0])
+        if name[ins[0]] == "aten::arange":
+            break
+        ins = graph.inputs.get(ins[0], ())
+    ins = graph.inputs.get(slots, ())
+    arange = made[-1]
+    if name.get(arange) != "aten::arange" or len(ins) != 2:
+        return None
+    if set(graph.consumers.get(slots, ())) != {k_write, v_write}:
+        return None
+    bump = slots + 1  # node ids follow the order the ops ran in
+    bump_ins = graph.inputs.get(bump, ())
+    length = (scalars.get(arange) or ("",))[0]
+    if (name.get(bump) != "aten::add_" or graph.module.get(bump) != graph.module.get(slots) or len(bump_ins) != 1
+            or bump_ins[0] != ins[1] or tuple(scalars.get(bump) or ()) != (length,)):  # fmt: skip
+        return None
+    return (*made[1:], slots, bump)

@@ -35,7 +35,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from fusionscope.apply.patcher import Patcher, Support
-from fusionscope.fusions.base import CACHE_WRITES, Binding, Graph, In, Match
+from fusionscope.fusions.base import CACHE_WRITES, Binding, Graph, In, Match, counter_slots
 
 if TYPE_CHECKING:
     from fusionscope.bench.cases import Case
@@ -130,19 +130,25 @@ def bind(graph: Graph, match: Match) -> Binding | str:
     for text in graph.column("scalars", ()).get(attention) or ():
         if text.startswith("scale=") and text != "scale=None":
             scale = float(text.removeprefix("scale="))
-    args = (In(attention, 0), k, v, In(k_writer, 1), scale)
+    # the rows written so far: the last slot + 1; where the slots come from the cache's write counter (which
+    # `rope`'s binding folds into its kernel, so the slots tensor may not exist), the counter once advanced
+    counted = counter_slots(graph, k_writer, v_writer)
+    length = In(counted[-1], 0) if counted else In(k_writer, 1)
+    args = (In(attention, 0), k, v, length, scale)
     return Binding(fused_decode_attention, args, (attention,), match.nodes)
 
 
 def fused_decode_attention(q: Any, k_cache: Any, v_cache: Any, positions: Any, scale: float | None) -> Any:
     """The kernel on the attention's operands: q (B, H, 1, d), or transformers 5.24's packed one-token query
-    (B, K, H/K, d), whose result is packed back the same way; the result in the attention output's layout."""
+    (B, K, H/K, d), whose result is packed back the same way; the result in the attention output's layout.
+    `positions`: the step's cache slots, or (0-d) the cache's write counter after the step's write."""
     from fusionscope.kernels import decode_attention
 
     b, heads, rows, d = q.shape
     packed = rows != 1
     query = q.reshape(b, heads * rows, 1, d) if packed else q
-    length = positions[-1:] + 1  # the rows written so far: the token's position is the last one
+    # the rows written so far: the token's position is the last one; a counter already counts them
+    length = positions[-1:] + 1 if positions.dim() else positions.reshape(1)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     out = decode_attention(query, k_cache, v_cache, length, scale)  # (B, 1, H, d)
     return out.view(b, heads, rows, d) if packed else out.transpose(1, 2)

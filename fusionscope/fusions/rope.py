@@ -30,7 +30,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from fusionscope.apply.patcher import Patcher, Support
-from fusionscope.fusions.base import CACHE_WRITES, Binding, Graph, In, Match, input_index, scalar_values
+from fusionscope.fusions.base import (
+    CACHE_WRITES,
+    Binding,
+    Graph,
+    In,
+    Match,
+    counter_slots,
+    input_index,
+    scalar_values,
+)
 
 if TYPE_CHECKING:
     from fusionscope.bench.cases import Case
@@ -201,7 +210,13 @@ def bind(graph: Graph, match: Match) -> Binding | str:
     if writes is not None:
         k_write, v_write = writes
         args = (q, k, *trig, In(v_write, 2), In(k_write, 0), In(v_write, 0), In(k_write, 1))
-        return Binding(fused_rope_and_cache, args, (q_out, k_write, v_write), tuple(sorted(nodes | set(writes))))
+        cached = Binding(fused_rope_and_cache, args, (q_out, k_write, v_write), tuple(sorted(nodes | set(writes))))
+        counted = counter_slots(graph, k_write, v_write)
+        if counted is None:
+            return cached
+        slots, bump = counted[-2:]
+        return Binding(fused_rope_and_cache_counted, (*args[:-1], In(slots, 1)), (q_out, k_write, v_write, bump),
+                       tuple(sorted(nodes | set(writes) | set(counted))), fallback=cached)  # fmt: skip
     return Binding(fused_rope, (q, k, *trig), (q_out, k_out), tuple(sorted(nodes)))
 
 
@@ -238,6 +253,14 @@ def static_cache_writes(graph: Graph, k_out: int) -> tuple[int, int] | None:
                     and len(graph.inputs[n]) == 3 and graph.inputs[n][1] == ins[1]
                     and tuple(scalars.get(n) or ()) == tuple(scalars.get(k_write) or ())), -1)  # fmt: skip
     return (k_write, v_write) if v_write >= 0 else None
+
+
+def fused_rope_and_cache_counted(q: Any, k: Any, cos: Any, sin: Any, v: Any, k_cache: Any, v_cache: Any,
+                                 counter: Any) -> tuple[Any, Any, Any, Any]:  # fmt: skip
+    """`fused_rope_and_cache` with the slots read from the static cache's write counter on the device (token s at
+    counter + s), then the counter advanced by S as the cache does: the slots' arange and add are gone."""
+    q_rot, k_cache, v_cache = fused_rope_and_cache(q, k, cos, sin, v, k_cache, v_cache, counter)
+    return q_rot, k_cache, v_cache, counter.add_(k.shape[2])
 
 
 def fused_rope_and_cache(q: Any, k: Any, cos: Any, sin: Any, v: Any, k_cache: Any, v_cache: Any,

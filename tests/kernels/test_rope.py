@@ -10,7 +10,7 @@ from fusionscope.kernels.tolerances import assert_close
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from tests.kernels.conftest import device, poisoned, randn
+from tests.kernels.conftest import DTYPES, device, poisoned, randn
 
 _MANTISSA = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
 _TINY = {torch.float32: 2.0**-149, torch.float16: 2.0**-24, torch.bfloat16: 2.0**-133}  # smallest subnormal
@@ -243,6 +243,28 @@ def test_rope_and_cache_strided_cache_partial_rotary_in_place() -> None:
     assert (k_store[:, others] == SENTINEL).all() and (v_store[:, others] == SENTINEL).all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize(("s", "start"), [(1, 5), (3, 2)])
+def test_rope_and_cache_from_a_start_slot(s: int, start: int, dtype: torch.dtype) -> None:
+    """A 0-d `positions` is the first token's slot (a static cache's write counter): token i goes to start + i, as
+    StaticLayer's `arange(S) + counter`; a decode step (S = 1) and a short prefill, odd head dim, GQA."""
+    b, hq, hk, d, s_max = 2, 4, 2, 48, 9
+    q, k, v = _heads_view(b, hq, s, d, dtype), _heads_view(b, hk, s, d, dtype), _heads_view(b, hk, s, d, dtype)
+    cos, sin = _cos_sin(b, s, d, dtype)
+    k_cache, v_cache = (torch.full((b, hk, s_max, d), SENTINEL, dtype=dtype, device=device()) for _ in range(2))
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    out = poisoned(q.shape, dtype)
+    start_slot = torch.tensor(start, device=device())
+    rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, start_slot, out=out)
+    slots = torch.arange(start, start + s, device=device())
+    q_ref = rope_and_cache_reference(q, k, v, cos, sin, k_ref, v_ref, slots)
+    assert_within_ulp(out, q_ref)
+    assert_within_ulp(k_cache, k_ref)
+    assert torch.equal(v_cache, v_ref)
+    assert (k_cache[:, :, :start] == SENTINEL).all() and (k_cache[:, :, start + s :] == SENTINEL).all()
+    assert int(start_slot) == start  # read, not advanced: the counter's own add_ stays the model's
+
+
 def test_rope_and_cache_kernel_skips_out_of_range_slots() -> None:
     """On the GPU positions are not checked on the host (it would cost a sync): the kernel writes no slot outside
     [0, S_max) and still writes the valid ones. Called through the op to bypass the host check."""
@@ -277,6 +299,11 @@ def test_rope_and_cache_bad_inputs() -> None:
         rope_and_cache(q, k, v, cos, sin, kc, vc, torch.tensor([0, 1, 2], device=device()))
     with pytest.raises(ValueError, match="positions must be"):
         rope_and_cache(q, k, v, cos, sin, kc, vc, pos.float())
+    with pytest.raises(ValueError, match="positions must be"):
+        rope_and_cache(q, k, v, cos, sin, kc, vc, pos[None])
+    if device().type == "cpu":
+        with pytest.raises(ValueError, match=r"\[0, S_max=4\); got \[3, 4\]"):
+            rope_and_cache(q, k, v, cos, sin, kc, vc, torch.tensor(3, device=device()))
     with pytest.raises(ValueError, match="k_cache"):
         rope_and_cache(q, k, v, cos, sin, torch.zeros(1, 2, 4, 32, device=device()), vc, pos)
     with pytest.raises(ValueError, match="v_cache"):
