@@ -181,7 +181,8 @@ def bind(graph: Graph, match: Match) -> Binding | str:
     the split and the `cat` that re-joins the pass-through columns go too (Phi-3 runs that code with Dr = D: its
     `cat` with an empty tensor is a copy per tensor and layer that the match alone would leave). Under a static cache
     the writes of the rotated k and of v go too: one `rope_and_cache` launch instead of a rope and two `index_copy_`
-    (the finder leaves those writes out of the match, as the module docstring says)."""
+    (the finder leaves those writes out of the match, as the module docstring says); where the slots are the cache's
+    `arange(S) + counter` (`counter_slots`), those ops go too, and the kernel reads the counter as the first slot."""
     chains = [c for neg in sorted(match.nodes) if graph.name.get(neg) == "aten::neg" and
               (c := rope_chain(graph, neg, split=True)) is not None]  # fmt: skip
     if len(chains) != 2:
