@@ -648,8 +648,11 @@ def print_graphs(result: dict) -> None:
               f"{fmt(pred.get('graph_gap_us'), '.2f')} µs, the device's idle time between two kernels of a "
               "replayed graph; err: measured ÷ predicted − 1; GPU ms, kernels, gap µs: one profiled replay",
               style="dim")  # fmt: skip
+    from fusionscope.apply.cudagraph_skips import skip_lines
     from fusionscope.apply.step_drift import drift_line
 
+    for line in skip_lines(result):
+        out.print(line, style="yellow")
     if drift := drift_line(result.get("step_drift")):
         out.print(drift, style="yellow")
     for name in ("fused + graph", "graph"):

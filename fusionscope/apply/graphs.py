@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from fusionscope.apply import numerics, replay
+from fusionscope.apply.cudagraph_skips import cudagraph_skips
 from fusionscope.capture import _forward_kwargs
 from fusionscope.floor import weight_floor
 from fusionscope.static_cache import cache_state, empty, restore_state, static_cache, window_overrun
@@ -332,11 +333,13 @@ def run_graphs(workload: Any, fusions_by_variant: dict[str, list[str]], enter: C
         makers[name] = ((lambda f=fusions: enter(f)), (lambda: StaticDecoder(model, ids, steps)), gpu)
     compile_seconds = None
     compile_failed = ""
+    skips: dict[str, list[str]] = {}  # compiled variant -> Inductor's reasons for running it without CUDA graphs
     if gpu:
         note("torch.compile (reduce-overhead) of the unpatched model: compiling")
         try:
             peer = StaticDecoder(model, ids, steps, forward=compiled_forward(model))
-            compile_seconds = _first_calls(peer)
+            with cudagraph_skips() as skips[COMPILE]:
+                compile_seconds = _first_calls(peer)
             makers[COMPILE] = (nullcontext, lambda: peer, False)
         except Exception as exc:  # the peer failing to compile is reported, not fatal
             compile_failed = (
@@ -351,7 +354,8 @@ def run_graphs(workload: Any, fusions_by_variant: dict[str, list[str]], enter: C
         try:
             forward, rewritten = rewrite.compile_fused(model, fused_sites)
             fused_peer = StaticDecoder(model, ids, steps, forward=forward)
-            fused_compile_seconds = _first_calls(fused_peer)
+            with cudagraph_skips() as skips[FUSED_COMPILE]:
+                fused_compile_seconds = _first_calls(fused_peer)
             fused_compile_fusions = sorted(f for f, paths in rewritten.items() if "" in paths.values())
             makers[FUSED_COMPILE] = (nullcontext, lambda: fused_peer, False)
         except Exception as exc:  # reported, not fatal
@@ -388,6 +392,8 @@ def run_graphs(workload: Any, fusions_by_variant: dict[str, list[str]], enter: C
             except Exception as exc:  # a fusion that cannot be captured is skipped with its reason
                 row.update(passed=False, reason=f"could not be captured: {type(exc).__name__}: "
                                                 f"{str(exc).splitlines()[0] if str(exc) else ''}")  # fmt: skip
+            if name in skips:
+                row["cudagraph_skips"] = skips[name]
             variants[name] = row
         timed = [n for n, r in variants.items() if r.get("passed")]
         if gpu and timed:

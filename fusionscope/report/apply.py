@@ -172,8 +172,11 @@ def graphs_table(graphs: Mapping[str, Any]) -> str:
         f"{_num(graphs.get('fused_compile_vs_compile'), '.3f')}×."
     )
     note = f'<p class="note">{html.escape(lines)}</p>'
+    from fusionscope.apply.cudagraph_skips import skip_lines
     from fusionscope.apply.step_drift import drift_line
 
+    for line in skip_lines(graphs):
+        note += f'<p class="note">{html.escape(line)}</p>'
     if drift := drift_line(graphs.get("step_drift")):
         note += f'<p class="note">{html.escape(drift)}</p>'
     if graphs.get("timing_note"):
