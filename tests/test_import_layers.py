@@ -38,7 +38,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                               "fusionscope.repeated_steps")),
     ("patch and measure", ("fusionscope.apply.patching", "fusionscope.apply.rewrite", "fusionscope.apply.measure",
                            "fusionscope.apply.lockstep", "fusionscope.apply.replay", "fusionscope.apply.graphs",
-                           "fusionscope.apply.step_drift")),
+                           "fusionscope.apply.step_drift", "fusionscope.apply.cudagraph_skips")),
     ("run folder and stages", ("fusionscope.report", "fusionscope.report.*", "fusionscope.bench.page",
                                "fusionscope.run_folder", "fusionscope.table_writer", "fusionscope.pipeline",
                                "fusionscope.launch")),
