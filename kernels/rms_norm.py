@@ -28,6 +28,15 @@ the output dtype, it is one launch at the fused traffic:
     unfused, OLMo-2 (weight_in_fp32)       = (2·s + 36)·N   fp16/bf16: 40·N   (as Gemma: the same ops on the row)
     x.float() → kernel in fp32 → .to(dtype) = (2·s + 16)·N   fp16/bf16: 20·N, 3 launches (the old rewrite)
     fused                                   = 2·s·N          fp16/bf16: 4·N, 1 launch
+
+`residual=` adds a residual to the result in the same launch: `residual + norm(x)`, what a decoder layer that
+normalises *after* its sublayer does (OLMo-2, Gemma-2: `h = residual + post_attention_layernorm(attn_out)`). Why in
+this kernel: add_rms_norm fuses the add *before* a norm; an add after it was a separate elementwise launch per norm
+(on an H200, OLMo-2-7B bf16 decode: 64 `aten::add` a step, ~80 µs plus their gaps). The rounding order is the unfused
+code's: the norm's result is rounded to the output dtype first (as the model stores it), then added to the residual in
+fp32 and rounded once more (`aten::add` of two bf16 tensors). The residual has the output's shape and dtype; the flag
+is a constexpr, so the plain path compiles to the kernel it was. Per row: unfused (norm, then add) reads x and writes
+the norm (2·s·N), the add reads both and writes the sum (3·s·N); fused = 3·s·N (read x and the residual, write once).
 """
 
 from __future__ import annotations
@@ -56,12 +65,19 @@ def rms_norm_reference(
     *,
     weight_in_fp32: bool = False,
     dtype: torch.dtype | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """RMSNorm over the last dim, cast exactly like Hugging Face's `LlamaRMSNorm` (offset 0) / `Gemma2RMSNorm` (offset
     1), or with `weight_in_fp32` like `Olmo2RMSNorm`: `(weight * x̂).to(dtype)`, the product in the statistics'
     precision, rounded once to `dtype` (default x's). x: (..., N), weight: (N,). Statistics run in fp32, or in fp64
     when given fp64 inputs (the high-precision check: then the result stays fp64 unless `dtype` says otherwise).
+    `residual`: `residual + norm`, the norm as returned without it (so already in its dtype), the sum in fp32 (fp64
+    for fp64 inputs) rounded once to the norm's dtype: `aten::add` of the stored norm, the order the kernel follows.
     Bytes per row of width N, x in s bytes (weight traffic ~0 per row, see the module docstring):"""
+    if residual is not None:
+        y = rms_norm_reference(x, weight, eps, offset, weight_in_fp32=weight_in_fp32, dtype=dtype)
+        wide = torch.promote_types(y.dtype, torch.float32)
+        return (residual.to(wide) + y.to(wide)).to(y.dtype)
     acc = torch.promote_types(x.dtype, torch.float32)
     h = x.to(acc)  # read N·s, write N·4 (a no-op for fp32 x)
     var = h.pow(2).mean(-1, keepdim=True)  # pow: read N·4, write N·4; mean: read N·4, write 4
@@ -114,6 +130,7 @@ def _rms_norm_kernel(
     x_ptr,  # input, rows × N: row (i0, i1, i2) starts at i0·sx0 + i1·sx1 + i2·sx2, elements sxn apart
     w_ptr,  # weight (N,), elements swn apart
     out_ptr,  # output, same logical shape as x, strides so0, so1, so2, son
+    r_ptr,  # residual added to the result (HAS_RESIDUAL; else any pointer, never read), strides sr0, sr1, sr2, srn
     M,  # number of rows = M0·M1·M2
     M1,  # sizes of the two inner row dims (M0 is implied)
     M2,
@@ -126,6 +143,10 @@ def _rms_norm_kernel(
     so1,
     so2,
     son,
+    sr0,
+    sr1,
+    sr2,
+    srn,
     swn,
     eps,  # fp32
     offset,  # fp32: 0 for Llama, 1 for Gemma
@@ -136,6 +157,7 @@ def _rms_norm_kernel(
     SOFT_BF16: tl.constexpr,  # round to bf16 in software (the interpreter's cast truncates)
     EVICT_X: tl.constexpr = "",  # cache hint for the loads of x ("", "evict_first", "evict_last"): tune_norms.py
     WEIGHT_IN_FP32: tl.constexpr = False,  # OLMo-2: w·x̂ in fp32, rounded once at the store (offset 0 only)
+    HAS_RESIDUAL: tl.constexpr = False,  # store residual + round(norm), the sum rounded once more (a post-norm's add)
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < M
@@ -145,6 +167,7 @@ def _rms_norm_kernel(
     i0 = rows // M2 // M1
     x_row = x_ptr + (i0 * sx0 + i1 * sx1 + i2 * sx2)[:, None]
     o_row = out_ptr + (i0 * so0 + i1 * so1 + i2 * so2)[:, None]
+    r_row = r_ptr + (i0 * sr0 + i1 * sr1 + i2 * sr2)[:, None]
     cols = tl.arange(0, BLOCK)
     if ONE_BLOCK:
         mask = row_mask[:, None] & (cols < N)[None, :]
@@ -155,7 +178,11 @@ def _rms_norm_kernel(
             y = x * rstd[:, None] * w[None, :]
         else:
             y = _scale(x * rstd[:, None], w[None, :], offset, x_ptr.dtype.element_ty, HAS_OFFSET, SOFT_BF16)
-        tl.store(o_row + cols[None, :] * son, _to_dtype(y, out_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
+        y = _to_dtype(y, out_ptr.dtype.element_ty, SOFT_BF16)
+        if HAS_RESIDUAL:
+            r = tl.load(r_row + cols[None, :] * srn, mask=mask, other=0.0).to(tl.float32)
+            y = _to_dtype(y.to(tl.float32) + r, out_ptr.dtype.element_ty, SOFT_BF16)
+        tl.store(o_row + cols[None, :] * son, y, mask=mask)
     else:
         sq = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
         for start in range(0, N, BLOCK):
@@ -173,7 +200,11 @@ def _rms_norm_kernel(
                 y = x * rstd[:, None] * w[None, :]
             else:
                 y = _scale(x * rstd[:, None], w[None, :], offset, x_ptr.dtype.element_ty, HAS_OFFSET, SOFT_BF16)
-            tl.store(o_row + c[None, :] * son, _to_dtype(y, out_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
+            y = _to_dtype(y, out_ptr.dtype.element_ty, SOFT_BF16)
+            if HAS_RESIDUAL:
+                r = tl.load(r_row + c[None, :] * srn, mask=mask, other=0.0).to(tl.float32)
+                y = _to_dtype(y.to(tl.float32) + r, out_ptr.dtype.element_ty, SOFT_BF16)
+            tl.store(o_row + c[None, :] * son, y, mask=mask)
 
 
 SOFT_BF16 = isinstance(_rms_norm_kernel, InterpretedFunction)
@@ -251,19 +282,29 @@ def check_out(out: torch.Tensor, x: torch.Tensor, dtype: torch.dtype, name: str 
 
 
 def _rms_norm_op(
-    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float, offset: float, weight_in_fp32: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    eps: float,
+    offset: float,
+    weight_in_fp32: bool = False,
+    residual: torch.Tensor | None = None,
 ) -> None:
-    """Writes RMSNorm(x) into `out`, rounded to out's dtype (arguments already checked by `rms_norm`)."""
+    """Writes RMSNorm(x) into `out`, rounded to out's dtype, plus `residual` when given (rounded once more); arguments
+    already checked by `rms_norm`. Without a residual, x stands in for its pointer (never read: HAS_RESIDUAL is a
+    constexpr), so the call keeps one tensor layout to key on."""
     N = x.shape[-1]
     M = x.numel() // N if N else 0
     if M == 0:
         return
-    (_, M1, M2), (sx, so) = row_layout(tuple(x.shape[:-1]), x.stride()[:-1], out.stride()[:-1])
+    r = x if residual is None else residual
+    (_, M1, M2), (sx, so, sr) = row_layout(tuple(x.shape[:-1]), x.stride()[:-1], out.stride()[:-1], r.stride()[:-1])
     cfg = {**load_hints(N), **launch_config(M, N)}
     grid = (cdiv(M, cfg["ROWS"]),)
     launchable(_rms_norm_kernel)[grid](
-        x, weight, out, M, M1, M2, N, *sx, x.stride(-1), *so, out.stride(-1), weight.stride(0), eps, offset,
-        HAS_OFFSET=offset != 0.0, SOFT_BF16=SOFT_BF16, WEIGHT_IN_FP32=weight_in_fp32 and offset == 0.0, **cfg,
+        x, weight, out, r, M, M1, M2, N, *sx, x.stride(-1), *so, out.stride(-1), *sr, r.stride(-1), weight.stride(0),
+        eps, offset, HAS_OFFSET=offset != 0.0, SOFT_BF16=SOFT_BF16, WEIGHT_IN_FP32=weight_in_fp32 and offset == 0.0,
+        HAS_RESIDUAL=residual is not None, **cfg,
     )  # fmt: skip
 
 
@@ -279,6 +320,7 @@ def rms_norm(
     *,
     weight_in_fp32: bool = False,
     dtype: torch.dtype | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """RMSNorm over the last dim in one kernel, cast like Hugging Face (offset 0: `LlamaRMSNorm`, the usual input and
     final norms and Qwen3's per-head q/k norms; offset 1: `Gemma2RMSNorm`; `weight_in_fp32`: `Olmo2RMSNorm`).
@@ -288,8 +330,10 @@ def rms_norm(
     widened) and round once, OLMo-2's `(weight * x̂).to(dtype)`, instead of Llama's `weight * x̂.to(x.dtype)` (with
     offset != 0 the product is in fp32 either way). dtype: the dtype that one rounding goes to (default x's), only with
     weight_in_fp32; otherwise the result dtype is Hugging Face's, promote(x, weight) for offset 0 (HF's
-    `weight * h.to(x.dtype)`), x's dtype otherwise. out: optional preallocated (..., N) tensor of the result dtype.
-    Returns out.
+    `weight * h.to(x.dtype)`), x's dtype otherwise. residual: an x-shaped tensor of the result dtype, any strides,
+    added in the same launch: `residual + norm(x)` with the norm rounded to the result dtype first and the fp32 sum
+    rounded once more, as the unfused `residual + norm(x)` rounds (a post-norm decoder layer's add, OLMo-2's). out:
+    optional preallocated (..., N) tensor of the result dtype. Returns out.
     """
     check_norm_args(x, weight)
     result = output_dtype(x.dtype, weight.dtype, offset, weight_in_fp32)
@@ -301,9 +345,13 @@ def rms_norm(
         if dtype not in _FLOATS:
             raise ValueError(f"dtype must be fp32/fp16/bf16, got {dtype}")
         result = dtype
+    if residual is not None:
+        if not isinstance(residual, torch.Tensor):
+            raise ValueError(f"residual must be a tensor, got {type(residual).__name__}")
+        check_out(residual, x, result, "residual")
     if out is None:
         out = new_output(x, result)
     else:
         check_out(out, x, result)
-    run("rms_norm", _rms_norm_op, x, weight, out, float(eps), float(offset), bool(weight_in_fp32))
+    run("rms_norm", _rms_norm_op, x, weight, out, float(eps), float(offset), bool(weight_in_fp32), residual)
     return out

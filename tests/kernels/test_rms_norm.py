@@ -290,3 +290,110 @@ def test_bad_inputs_raise_value_error(make: Callable[[], tuple], match: str) -> 
     x, w, out = make()
     with pytest.raises(ValueError, match=match):
         rms_norm(x, w, EPS, out=out)
+
+
+# ---------------------------------------------------------------------------------- residual (a post-norm's add)
+
+
+def unfused_order(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor, offset: float, weight_in_fp32: bool,
+                  dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+    """`r + norm(x)` in the unfused code's rounding order, from an fp64 norm: the norm rounded to the output dtype (as
+    the model stores it), then the sum in fp64 (exact for two fp16/bf16 values, as aten's fp32 sum is), rounded once
+    to the output dtype."""
+    norm = rms_norm_reference(x.double(), w.double(), EPS, offset, weight_in_fp32=weight_in_fp32)
+    out_dtype = r.dtype if dtype is None else dtype
+    return (r.double() + norm.to(out_dtype).double()).to(out_dtype)
+
+
+def check_residual(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor, offset: float = 0.0,
+                   weight_in_fp32: bool = False, dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+    """The residual operand into a NaN-filled out: against the fp64 reference of the unfused order at the output
+    dtype's tolerance, and bit for bit against the unfused code run with this kernel (`r + rms_norm(x)`, the add
+    aten's), which only the same two roundings in the same order can match."""
+    out = poisoned(x.shape, r.dtype)
+    y = rms_norm(x, w, EPS, offset, out=out, weight_in_fp32=weight_in_fp32, dtype=dtype, residual=r)
+    assert y is out and y.dtype == r.dtype and not y.isnan().any(), "an element was left unwritten"
+    expected = unfused_order(x, w, r, offset, weight_in_fp32, dtype)
+    # a sum that cancels keeps its operands' absolute error: the tolerance scales with their magnitude, not the sum's
+    assert_close(y, expected, y.dtype, scale=max(1.0, r.abs().max().item(), (expected - r.double()).abs().max().item()))
+    assert torch.equal(y, r + rms_norm(x, w, EPS, offset, weight_in_fp32=weight_in_fp32, dtype=dtype))
+    return y
+
+
+MODES = pytest.mark.parametrize(
+    ("offset", "weight_in_fp32"), [(0.0, False), (0.0, True), (1.0, False)], ids=["llama", "olmo2", "gemma"]
+)
+
+
+@MODES
+@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+def test_residual_matches_the_unfused_order(shape: tuple[int, int], dtype: torch.dtype, offset: float,
+                                            weight_in_fp32: bool) -> None:  # fmt: skip
+    x, w, r = randn(*shape, dtype=dtype), randn(shape[-1], dtype=dtype), randn(*shape, dtype=dtype, scale=2.0)
+    check_residual(x, w, r, offset, weight_in_fp32)
+
+
+@MODES
+def test_residual_strided_x_and_residual(dtype: torch.dtype, offset: float, weight_in_fp32: bool) -> None:
+    """x with a last-dim stride of 2, the residual a transposed view (its rows do not merge as x's do), 3 row dims."""
+    x = randn(2, 3, 1000, dtype=dtype, strided=True)
+    r = randn(3, 2, 1000, dtype=dtype, seed=3).transpose(0, 1)
+    assert not x.is_contiguous() and not r.is_contiguous()
+    check_residual(x, randn(1000, dtype=dtype, strided=True), r, offset, weight_in_fp32)
+
+
+@pytest.mark.parametrize("weight_in_fp32", [False, True], ids=["llama", "olmo2"])
+def test_residual_on_the_chunked_path(weight_in_fp32: bool) -> None:
+    """Rows wider than 16384 loop over chunks: the residual is read chunk by chunk in the second pass."""
+    x, r = randn(2, 20000, dtype=torch.bfloat16, strided=True), randn(2, 20000, dtype=torch.bfloat16, strided=True)
+    check_residual(x, randn(20000, dtype=torch.bfloat16), r, weight_in_fp32=weight_in_fp32)
+
+
+def test_residual_with_the_olmo2_output_dtype() -> None:
+    """weight_in_fp32 with fp32 x rounded once to bf16 (`dtype=`): the residual is in that output dtype."""
+    x, w, r = randn(3, 999, dtype=torch.float32), randn(999, dtype=torch.float32), randn(3, 999, dtype=torch.bfloat16)
+    check_residual(x, w, r, weight_in_fp32=True, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_residual_matches_olmo2s_post_norm_and_add(dtype: torch.dtype) -> None:
+    """`residual + Olmo2RMSNorm(x)` as the decoder layer computes it: within 1 ulp and bit-exact almost everywhere."""
+    x, weight, normed = hf_norm(Olmo2RMSNorm, (2, 5, 123), dtype, seed=12)
+    r = randn(2, 5, 123, dtype=dtype, seed=14)
+    assert_matches_hf(rms_norm(x, weight, EPS, weight_in_fp32=True, residual=r), r + normed)
+
+
+def test_residual_through_the_registered_op() -> None:
+    """Under a dispatch mode the call is `fusionscope::rms_norm` with the residual in its schema (an optional tensor,
+    default None: the plain call's schema is unchanged), and computes the same."""
+    schema = torch.ops.fusionscope.rms_norm.default._schema
+    assert [(a.name, str(a.type)) for a in schema.arguments][-1] == ("residual", "Optional[Tensor]")
+    x, w = randn(3, 100, dtype=torch.bfloat16, seed=15), randn(100, dtype=torch.bfloat16, seed=16)
+    r = randn(3, 100, dtype=torch.bfloat16, seed=17)
+    with SeenOps() as seen:
+        y = rms_norm(x, w, EPS, weight_in_fp32=True, residual=r)
+    assert "fusionscope.rms_norm.default" in seen.ops
+    assert torch.equal(y, rms_norm(x, w, EPS, weight_in_fp32=True, residual=r))
+
+
+@pytest.mark.parametrize(
+    ("residual", "kwargs", "match"),
+    [
+        ("shape", {}, "residual must be a"),
+        ("dtype", {}, "residual must be a"),  # fp32 residual, bf16 result
+        ("promoted", {}, "residual must be a"),  # an fp32 weight: the Llama result is fp32, the residual bf16
+        ("list", {}, "residual must be a tensor"),
+    ],
+    ids=["shape", "dtype", "promoted", "not-a-tensor"],
+)
+def test_residual_bad_inputs_raise(residual: str, kwargs: dict, match: str) -> None:
+    x = randn(3, 100, dtype=torch.bfloat16)
+    w = randn(100, dtype=torch.float32 if residual == "promoted" else torch.bfloat16)
+    r = {
+        "shape": lambda: randn(3, 99, dtype=torch.bfloat16),
+        "dtype": lambda: randn(3, 100, dtype=torch.float32),
+        "promoted": lambda: randn(3, 100, dtype=torch.bfloat16),
+        "list": lambda: [1.0] * 100,
+    }[residual]()
+    with pytest.raises(ValueError, match=match):
+        rms_norm(x, w, EPS, residual=r, **kwargs)
