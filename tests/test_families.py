@@ -67,6 +67,39 @@ def test_olmo2_post_norms_are_plain_rms_norms(sites: dict[str, dict[str, list[st
     assert found["qkv"] == layers("self_attn") and found["gate_up"] == layers("mlp")
 
 
+def rms_norm_adds(name: str) -> dict[str, set[int]]:
+    """{module: the numbers of `aten::add` nodes its rms_norm matches hold, over prefill and decode} on a tiny preset's
+    recorded dataflow. The norm's own ε add (`variance + eps`) is one: a norm alone holds 1, a norm that took its
+    residual add 2."""
+    wl = models.build_workload(models.resolve_model(name), torch.device("cpu"), torch.float32, prompt_len=4,
+                               decode_steps=1)  # fmt: skip
+    graph = Graph(dataflow.record_dataflow(wl).assign(op_id=-1))
+    adds: dict[str, set[int]] = {}
+    for match in find_matches(graph):
+        if match.fusion == "rms_norm" and not match.rejected:
+            count = sum(graph.name[n] == "aten::add" for n in match.nodes)
+            adds.setdefault(match.anchor_module, set()).add(count)
+    return adds
+
+
+def test_olmo2_post_norms_take_their_residual_add() -> None:
+    """OLMo-2's post-norms hand their output to the residual add alone: the rms_norm match takes the add (the kernel
+    adds the residual), except the last post-feedforward norm, whose add feeds the final norm (add_rms_norm's). The
+    q/k norms feed the rotary embedding: no add."""
+    adds = rms_norm_adds("tiny-olmo2")
+    with_add = {m for m, counts in adds.items() if counts == {2}}
+    assert with_add == {*layers("post_attention_layernorm"), "model.layers.0.post_feedforward_layernorm"}, adds
+    assert all(counts == {1} for m, counts in adds.items() if m not in with_add), adds
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-phi3"])
+def test_pre_norm_rms_norms_take_no_add(name: str) -> None:
+    """A pre-norm's output feeds the projections (and Qwen3's q/k norms the rotary embedding): no rms_norm match holds
+    a residual add, as before OLMo-2's post-norm adds were taken."""
+    adds = rms_norm_adds(name)
+    assert adds and all(counts == {1} for counts in adds.values()), adds
+
+
 def test_qwen3_q_k_norms(sites: dict[str, dict[str, list[str]]]) -> None:
     found = sites["tiny-qwen3"]
     assert set(layers("self_attn.q_norm", "self_attn.k_norm")) <= set(found["rms_norm"])

@@ -101,13 +101,16 @@ def _fresh_dynamo() -> None:
 def calls(monkeypatch: pytest.MonkeyPatch) -> collections.Counter:
     """Counts calls of the bundled kernels. The graph's fused_* functions import their kernel from
     `fusionscope.kernels` at call time (the binding holds the fused_* function, not the kernel), so wrapping the
-    package's attribute counts every launch the rewritten graph makes."""
+    package's attribute counts every launch the rewritten graph makes. An rms_norm launch that also adds a residual
+    (a post-norm's add, taken with the norm) counts under "rms_norm" and again under "rms_norm+residual"."""
     counts: collections.Counter = collections.Counter()
     for name in KERNELS:
         kernel = getattr(fusionscope.kernels, name)
 
         def counted(*args, _kernel: Callable = kernel, _name: str = name, **kwargs):
             counts[_name] += 1
+            if kwargs.get("residual") is not None:
+                counts[f"{_name}+residual"] += 1
             return _kernel(*args, **kwargs)
 
         monkeypatch.setattr(fusionscope.kernels, name, counted)
@@ -196,6 +199,8 @@ def test_every_bind_fusion_including_decode_attention_on_a_static_cache(family: 
         # ... the slots read from the cache's write counter (a 0-d `positions`): StaticLayer's arange and add that
         # make them per layer and forward are replaced too
         assert slots == [0] * 3 * layers, slots
+        # OLMo-2's post-norms take their residual add (all but the last, whose add feeds the final norm): 3 a forward
+        assert calls["rms_norm+residual"] == (3 * (2 * layers - 1) if family == "tiny-olmo2" else 0), calls
     fig = numerics.compare(test, ref)
     assert fig["max_abs"] <= 1e-4 * max(1.0, fig["ref_scale"]) and fig["tokens_equal"] == 1.0, fig
 
@@ -204,7 +209,8 @@ def test_rewritten_llama_graph_calls_the_kernels(calls: collections.Counter) -> 
     # tiny-llama has 2 decoder layers: x += attn(input_layernorm(x)); x += mlp(post_attention_layernorm(x)), then
     # model.norm(x). The first input_layernorm has no add before it: one rms_norm. Every other norm follows a residual
     # add: layer 0's post-attention norm, layer 1's input and post-attention norms, and the final norm — 2·2 - 1 + 1
-    # = 4 add_rms_norm. One silu_and_mul per MLP and one rope per attention: 2 each. Prefill and decode alike.
+    # = 4 add_rms_norm. One silu_and_mul per MLP and one rope per attention: 2 each. Prefill and decode alike. No
+    # rms_norm takes a residual ("rms_norm+residual" absent): a pre-norm's output feeds the projections, not an add.
     per_forward = {"rms_norm": 1, "add_rms_norm": 4, "silu_and_mul": 2, "rope": 2}
     model, ids = lm("tiny-llama")
     ref_prefill, ref_decode, token = prefill_and_decode(model, ids)
@@ -610,11 +616,12 @@ def test_olmo2s_fp32_rotary_tables_in_bf16(calls: collections.Counter) -> None:
 
 
 def _two_cast_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, dtype: str,
-                   upcast: bool = False) -> torch.Tensor:  # fmt: skip
+                   upcast: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """`fused_rms_norm` as the upcast binding was before the kernel's weight_in_fp32 mode: the kernel on `x.float()`,
-    its fp32 result cast back (the baseline of the count below)."""
+    its fp32 result cast back (the baseline of the count below); a post-norm's residual added after, as aten adds."""
     assert upcast, "every OLMo-2 norm multiplies by its weight before the cast"
-    return fusionscope.kernels.rms_norm(x.float(), weight, eps, offset).to(getattr(torch, dtype))
+    out = fusionscope.kernels.rms_norm(x.float(), weight, eps, offset).to(getattr(torch, dtype))
+    return out if residual is None else residual + out
 
 
 def test_olmo2s_norms_in_bf16_dispatch_no_casts(calls: collections.Counter, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -661,6 +668,55 @@ def test_olmo2s_norms_in_bf16_dispatch_no_casts(calls: collections.Counter, monk
         torch.testing.assert_close(new.float(), want.float(), atol=2e-2 * scale, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_olmo2s_post_norms_take_their_residual_add(dtype: torch.dtype, calls: collections.Counter,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """OLMo-2 normalises after each sublayer, `h = residual + post_attention_layernorm(attn_out)`: the rms_norm binding
+    takes that add, one launch writes `residual + norm`. On the tiny OLMo-2 (2 layers, 4 post-norms) with the rms_norm
+    and add_rms_norm sites patched, per forward: 3 post-norms launch with the residual (the last post-feedforward
+    norm's add feeds the final norm, and add_rms_norm takes an add before a norm), every site is still one rms_norm
+    launch, and 3 `aten::add` fewer run than in the same captured graph with the adds left to aten
+    (`absorbed_add` off) — with logits bit for bit equal to that graph's (the same two roundings, in the same order)
+    and close to the unpatched model's."""
+    from fusionscope.fusions import rms_norm as rms_norm_fusion
+
+    model, ids = lm("tiny-olmo2")
+    model = model.to(dtype)
+    sites = find_sites(model)
+    where = [{"fusion": f, "module_paths": sites[f]} for f in ("rms_norm", "add_rms_norm")]
+    n_sites = len(sites["rms_norm"]) + len(sites["add_rms_norm"])
+    ref_prefill, ref_decode, token = prefill_and_decode(model, ids)
+
+    def run() -> tuple[int, collections.Counter, tuple[torch.Tensor, torch.Tensor]]:
+        torch._dynamo.reset()  # the other binding's graphs must not be reused
+        with patch(model, where) as r:
+            for fusion in ("rms_norm", "add_rms_norm"):
+                assert set(r.applied.get(fusion, [])) == set(sites[fusion]), r.skipped
+            prefill_and_decode(model, ids, token)  # the captures and rewrites happen here, outside the count
+            calls.clear()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                prefill, decode, _ = prefill_and_decode(model, ids, token)
+        return sum(e.name == "aten::add" for e in prof.events()), collections.Counter(calls), (prefill, decode)
+
+    adds, launched, got = run()
+    with monkeypatch.context() as m:
+        m.setattr(rms_norm_fusion, "absorbed_add", lambda *args: None)
+        adds_before, launched_before, got_before = run()
+    forwards = 2  # the prompt and one decode step
+    assert launched["rms_norm+residual"] == 3 * forwards and launched_before["rms_norm+residual"] == 0, launched
+    launches = launched["rms_norm"] + launched["add_rms_norm"]
+    assert launches == launched_before["rms_norm"] + launched_before["add_rms_norm"] == n_sites * forwards
+    assert adds_before - adds == 3 * forwards, (adds_before, adds)
+    for new, old in zip(got, got_before):
+        assert torch.equal(new, old)
+    for new, want in zip(got, (ref_prefill, ref_decode)):
+        if dtype == torch.float32:
+            assert_logits_close(new, want)
+        else:
+            scale = max(1.0, want.float().abs().max().item())
+            torch.testing.assert_close(new.float(), want.float(), atol=2e-2 * scale, rtol=0)
+
+
 class Weightless(ChainNorm):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         input_dtype = hidden_states.dtype
@@ -687,6 +743,43 @@ def test_a_weightless_norm_and_a_bias_add_before_a_norm() -> None:
     assert_logits_close(got, ref)
     r, ref, got = graph_patch(Net(weight=False), torch.randn(2, 4, 32))
     assert "no weight" in r.skipped.get("rms_norm", ""), r.skipped
+
+
+class PostNorm(nn.Module):
+    """`residual + norm(proj(x))`, OLMo-2's post-norm, in the forms the rms_norm binding must or must not take the
+    add of: "plain" (taken), "read-twice" (the norm's output also read elsewhere), "broadcast" (a (1, 1, N) residual),
+    "alpha" (`torch.add(r, n, alpha=2)`), "to-norm" (the sum feeds another norm: add_rms_norm's)."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.proj, self.norm, self.after = nn.Linear(32, 32), ChainNorm(32), ChainNorm(32)
+        self.bias = nn.Parameter(torch.randn(1, 1, 32))
+        self.form = form
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.norm(self.proj(x))
+        if self.form == "read-twice":
+            return (x + n) * n
+        if self.form == "broadcast":
+            return 2 * (self.proj(self.bias) + n)  # the residual: a computed (1, 1, N) tensor
+        if self.form == "alpha":
+            return 2 * torch.add(x, n, alpha=2)
+        if self.form == "to-norm":
+            return self.after(x + n)
+        return 2 * (x + n)
+
+
+@pytest.mark.parametrize("form", ["plain", "read-twice", "broadcast", "alpha", "to-norm"])
+def test_a_post_norms_add_is_taken_only_when_safe(form: str, calls: collections.Counter) -> None:
+    """The rms_norm binding takes the residual add after a norm only where one kernel writes exactly what the add
+    did: the norm's output read by the add alone, a plain add (alpha 1) of one shape, and a sum no other norm reads
+    (there add_rms_norm takes the add with that norm). Either way the norm is patched and the output is the model's."""
+    r, ref, got = graph_patch(PostNorm(form), torch.randn(2, 4, 32))
+    assert "norm" in r.applied.get("rms_norm", []), (r.applied, r.skipped)
+    if form == "to-norm":
+        assert r.applied.get("add_rms_norm") == ["after"], (r.applied, r.skipped)
+    assert calls["rms_norm+residual"] == (2 if form == "plain" else 0), calls  # the example call, then ours
+    assert_logits_close(got, ref)
 
 
 def test_gpt2s_conv1d_mlp_is_patched_on_the_graph() -> None:

@@ -108,8 +108,13 @@ def _norm_inputs(rows: int, hidden: int, names: str) -> Callable[[torch.device, 
     return build
 
 
-def rms_norm_case(rows: int, hidden: int) -> Case:
+def rms_norm_case(rows: int, hidden: int, residual: bool = False) -> Case:
+    """`residual`: the post-norm variant (OLMo-2's `residual + post_attention_layernorm(x)`), the add in the kernel's
+    launch (`rms_norm(..., residual=)`); label suffix "+r". Its reference rounds the fp64 norm to the input dtype
+    before the add, as the stored norm is rounded."""
     mod = kernel_module("rms_norm")
+    if residual:
+        return _rms_norm_residual_case(mod, rows, hidden)
     variants: dict[str, Callable] = {
         "eager": lambda i: hf_rms_norm(i["x"], i["w"], EPS),
         "compile": lambda i: _compiled(hf_rms_norm)(i["x"], i["w"], EPS),
@@ -126,6 +131,32 @@ def rms_norm_case(rows: int, hidden: int) -> Case:
         traffic=lambda i: nbytes(i["x"], i["w"]) + nbytes(i["x"]),
         variants=variants,
         reference=lambda i: mod.rms_norm_reference(**_ref_args(_f64(i), ("x", "w")), eps=EPS),
+    )
+
+
+def _hf_rms_norm_residual(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return r + hf_rms_norm(x, w, EPS)
+
+
+def _rms_norm_residual_case(mod: Any, rows: int, hidden: int) -> Case:
+    def reference(i: dict[str, Any]) -> torch.Tensor:
+        norm = mod.rms_norm_reference(i["x"].double(), i["w"].double(), EPS).to(i["x"].dtype)
+        return i["r"].double() + norm.double()
+
+    variants: dict[str, Callable] = {
+        "eager": lambda i: _hf_rms_norm_residual(i["x"], i["r"], i["w"]),
+        "compile": lambda i: _compiled(_hf_rms_norm_residual)(i["x"], i["r"], i["w"]),
+        "torch": lambda i: i["r"] + F.rms_norm(i["x"], (i["x"].shape[-1],), i["w"], EPS),
+        "fusionscope": lambda i: mod.rms_norm(i["x"], i["w"], EPS, residual=i["r"]),
+    }
+    return Case(
+        "rms_norm",
+        f"{rows}x{hidden}+r",
+        _phase(rows),
+        build=_norm_inputs(rows, hidden, "x r w"),
+        traffic=lambda i: 3 * nbytes(i["x"]) + nbytes(i["w"]),
+        variants=variants,
+        reference=reference,
     )
 
 
@@ -575,7 +606,8 @@ def _rows_sweep() -> Iterator[tuple[int, int]]:
 
 
 def rms_norm_cases() -> list[Case]:
-    return [rms_norm_case(rows, hidden) for rows, hidden in _rows_sweep()]
+    """The sweep, then the same shapes with the residual operand (a post-norm layer's add)."""
+    return [rms_norm_case(rows, hidden, residual) for residual in (False, True) for rows, hidden in _rows_sweep()]
 
 
 def add_rms_norm_cases() -> list[Case]:

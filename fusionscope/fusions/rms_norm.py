@@ -12,11 +12,25 @@ then one rounding, where Llama rounds x̂ and multiplies in the low dtype. `norm
 bind hands it to the kernel's `weight_in_fp32` mode with the chain's output dtype: x read in its own dtype, one launch.
 Not `rms_norm(x.float()).to(dtype)`, which was the binding before the mode: right numbers, but a cast kernel on each
 side of every norm (on an H200, OLMo-2-7B bf16 decode: 260 copy kernels a step, 458 µs of 5.28 ms).
+
+A norm *after* its sublayer (OLMo-2's `h = residual + post_attention_layernorm(attn_out)` and post-feedforward norm)
+hands its output to the residual add and nothing else. The match then takes that add too (`absorbed_add`), and the
+bind runs the kernel's residual operand: `residual + norm(x)` in one launch, the norm rounded to its dtype first and
+the sum rounded once, as the unfused add rounds. Why: the add was one elementwise launch per post-norm that nothing
+else fused (on an H200, OLMo-2-7B bf16 decode: 64 `aten::add` a step, ~80 µs plus a launch gap each; torch.compile
+fuses the same pair into one reduction). Only when it is safe: the norm's output has no other reader, the add is a
+plain tensor + tensor (alpha 1) of one shape and dtype, no broadcast, the residual not the norm itself. An add whose
+result feeds another norm stays the add + norm fusions' (add_rms_norm takes the add *before* a norm: the last
+post-norm add of OLMo-2's stack, before the final norm, is theirs). Llama's pre-norms (read by the q/k/v projections)
+and Qwen3/OLMo-2's q/k norms (read by the rotary embedding) have no such add and match as before. Bytes per row of N
+with the add: unfused, the norm's chain (above) and 3·s·N for the add; fused 3·s·N (x and the residual read, the sum
+written), one launch fewer than the norm and the add.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -105,13 +119,48 @@ def is_residual_add(graph: Graph, node: int) -> bool:
     return leaf < len(params) and not params[leaf]
 
 
+NORM_OPS = ("aten::native_layer_norm", "aten::layer_norm", "aten::rms_norm", "aten::_fused_rms_norm")
+
+
+def absorbed_add(graph: Graph, out: int, norm_inputs: set[int] = frozenset()) -> tuple[int, int] | None:
+    """(the residual add that reads the norm's output `out`, the position of its other operand, the residual) when
+    the kernel can take that add: it is the output's only reader, a residual add (`is_residual_add`: tensor + tensor,
+    not a bias) with alpha 1, both operands and its result of one shape and dtype (no broadcast, no promotion), the
+    other operand not the norm's output again; and its result is no norm's input (`norm_inputs`: the inputs of the
+    graph's RMSNorm chains, which add_rms_norm takes with the add; a LayerNorm's, add_layer_norm's). None otherwise."""
+    add = graph.only_consumer(out)
+    if add < 0 or not is_residual_add(graph, add):
+        return None
+    inputs = graph.inputs.get(add, ())
+    if len(inputs) != 2 or inputs.count(out) != 1:
+        return None
+    if any(s.startswith("alpha=") and float(s.removeprefix("alpha=")) != 1.0
+           for s in graph.column("scalars", ()).get(add) or ()):  # fmt: skip
+        return None
+    shapes = graph.column("input_shapes", ()).get(add) or ()
+    dtypes = graph.column("input_dtypes", ()).get(add) or ()
+    out_shape = (graph.column("output_shapes", ()).get(add) or (None,))[0]
+    out_dtype = (graph.column("output_dtypes", ()).get(add) or (None,))[0]
+    if len(shapes) != 2 or len(dtypes) != 2 or not (tuple(shapes[0]) == tuple(shapes[1]) == tuple(out_shape or ())):
+        return None
+    if not dtypes[0] == dtypes[1] == out_dtype:
+        return None
+    if add in norm_inputs or any(graph.name.get(c) in NORM_OPS for c in graph.consumers.get(add, ())):
+        return None
+    return add, 1 - inputs.index(out)
+
+
 def find(graph: Graph) -> list[Match]:
+    chains = {rsqrt: norm_chain(graph, rsqrt) for rsqrt in graph.named("aten::rsqrt")}
+    norm_inputs = {chain[1] for chain in chains.values() if chain is not None}
     matches = []
-    for rsqrt in graph.named("aten::rsqrt"):
-        chain = norm_chain(graph, rsqrt)
+    for rsqrt, chain in chains.items():
         if chain is None or is_residual_add(graph, chain[1]):
             continue
         group, _source, out = chain
+        absorbed = absorbed_add(graph, out, norm_inputs)
+        if absorbed is not None:  # the post-norm's residual add: the kernel writes the sum, the add's output
+            group, out = group | {absorbed[0]}, absorbed[0]
         phase, step = graph.where(rsqrt)
         matches.append(Match(KEY, phase, step, tuple(sorted(group)), graph.module[rsqrt],
                              escaping=graph.escaping(group, {out})))  # fmt: skip
@@ -160,31 +209,49 @@ def norm_operands(graph: Graph, match: Match) -> tuple[int, list, int] | str:
 
 
 def bind(graph: Graph, match: Match) -> Binding | str:
-    """One `rms_norm(x, weight, ε, offset)` in place of the chain, cast to the chain's output dtype."""
+    """One `rms_norm(x, weight, ε, offset)` in place of the chain, cast to the chain's output dtype. A match that took
+    the post-norm's residual add (`absorbed_add`) binds the add too, the residual as the kernel's operand, its result
+    in place of the add's; its fallback is the chain alone (the add stays), for a captured graph that refuses the wider
+    group."""
     found = norm_operands(graph, match)
     if isinstance(found, str):
         return found
     _rsqrt, args, out = found
-    return Binding(fused_rms_norm, tuple(args), (out,), match.nodes)
+    absorbed = absorbed_add(graph, out)
+    if absorbed is None or absorbed[0] not in match.nodes:
+        return Binding(fused_rms_norm, tuple(args), (out,), match.nodes)
+    add, residual = absorbed
+    plain = Binding(fused_rms_norm, tuple(args), (out,), tuple(n for n in match.nodes if n != add))
+    return Binding(fused_rms_norm, (*args, In(add, residual)), (add,), match.nodes, fallback=plain)
 
 
 def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, dtype: str,
-                   upcast: bool = False) -> torch.Tensor:  # fmt: skip
+                   upcast: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """The chain's result in `dtype` (its output dtype's name; "" when the graph did not record it). `upcast` (see
-    `norm_operands`): one `weight_in_fp32` launch that reads x as it is and rounds once to `dtype`, no cast kernels."""
+    `norm_operands`): one `weight_in_fp32` launch that reads x as it is and rounds once to `dtype`, no cast kernels.
+    `residual`: `residual + norm` in the same launch (the residual has the chain's output dtype: `absorbed_add`);
+    should the kernel's own result dtype not be that (a cast the chain ends in), the norm is cast and then added, as
+    the model does: exact, two launches."""
     from fusionscope.kernels import rms_norm
+    from fusionscope.kernels.rms_norm import output_dtype
 
     if upcast:
-        return rms_norm(x, weight, eps, offset, weight_in_fp32=True, dtype=getattr(torch, dtype) if dtype else None)
+        to = getattr(torch, dtype) if dtype else None
+        return rms_norm(x, weight, eps, offset, weight_in_fp32=True, dtype=to, residual=residual)
+    if residual is not None and output_dtype(x.dtype, weight.dtype, offset) == residual.dtype:
+        return rms_norm(x, weight, eps, offset, residual=residual)
     out = rms_norm(x, weight, eps, offset)
-    return out if not dtype or str(out.dtype).removeprefix("torch.") == dtype else out.to(getattr(torch, dtype))
+    out = out if not dtype or str(out.dtype).removeprefix("torch.") == dtype else out.to(getattr(torch, dtype))
+    return out if residual is None else residual + out
 
 
 def micro_case(graph: Graph, match: Match) -> Case | None:
-    """The bench case on this match's shape: (rows, hidden) of the normalised activation."""
+    """The bench case on this match's shape: (rows, hidden) of the normalised activation, with the residual operand
+    when the match took the post-norm's add."""
     from fusionscope.bench.cases import rms_norm_case
 
-    return row_micro_case(graph, match, "aten::pow", rms_norm_case)
+    residual = any(is_residual_add(graph, n) for n in match.nodes)  # the post-norm's add, taken with the norm
+    return row_micro_case(graph, match, "aten::pow", partial(rms_norm_case, residual=residual))
 
 
 def patch(patcher: Patcher, paths: list[str]) -> dict[str, Support]:
