@@ -29,6 +29,7 @@ written), one launch fewer than the norm and the add.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -153,13 +154,15 @@ def absorbed_add(graph: Graph, out: int, norm_inputs: set[int] = frozenset()) ->
 def find(graph: Graph) -> list[Match]:
     chains = {rsqrt: norm_chain(graph, rsqrt) for rsqrt in graph.named("aten::rsqrt")}
     norm_inputs = {chain[1] for chain in chains.values() if chain is not None}
+    kept = {r: c for r, c in chains.items() if c is not None and not is_residual_add(graph, c[1])}
+    adds = {r: absorbed_add(graph, c[2], norm_inputs) for r, c in kept.items()}
+    # the sum of two norms' outputs is each one's only reader: neither takes it (the other would lose its match)
+    claims = Counter(a[0] for a in adds.values() if a is not None)
     matches = []
-    for rsqrt, chain in chains.items():
-        if chain is None or is_residual_add(graph, chain[1]):
-            continue
+    for rsqrt, chain in kept.items():
         group, _source, out = chain
-        absorbed = absorbed_add(graph, out, norm_inputs)
-        if absorbed is not None:  # the post-norm's residual add: the kernel writes the sum, the add's output
+        absorbed = adds[rsqrt]
+        if absorbed is not None and claims[absorbed[0]] == 1:  # the post-norm's residual add: the kernel writes the sum
             group, out = group | {absorbed[0]}, absorbed[0]
         phase, step = graph.where(rsqrt)
         matches.append(Match(KEY, phase, step, tuple(sorted(group)), graph.module[rsqrt],
