@@ -19,7 +19,8 @@ bind runs the kernel's residual operand: `residual + norm(x)` in one launch, the
 the sum rounded once, as the unfused add rounds. Why: the add was one elementwise launch per post-norm that nothing
 else fused (on an H200, OLMo-2-7B bf16 decode: 64 `aten::add` a step, ~80 µs plus a launch gap each; torch.compile
 fuses the same pair into one reduction). Only when it is safe: the norm's output has no other reader, the add is a
-plain tensor + tensor (alpha 1) of one shape and dtype, no broadcast, the residual not the norm itself. An add whose
+plain tensor + tensor (alpha 1) of one shape and dtype, no broadcast, the residual not the norm itself nor a second
+norm whose only reader is the same add (then neither takes it: each keeps its match). An add whose
 result feeds another norm stays the add + norm fusions' (add_rms_norm takes the add *before* a norm: the last
 post-norm add of OLMo-2's stack, before the final norm, is theirs). Llama's pre-norms (read by the q/k/v projections)
 and Qwen3/OLMo-2's q/k norms (read by the rotary embedding) have no such add and match as before. Bytes per row of N
