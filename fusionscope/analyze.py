@@ -153,8 +153,10 @@ def _analyze_file(path: Path, out: str | Path | None, device: str | None, on_sta
 
 
 def import_catalogue() -> None:
-    """Import what the catalogue and the summary need: torch (through the catalogue's entries, `order_graph`'s
-    dispatcher look-ups and `device`) takes about a second, spent while another thread inflates the trace."""
+    """Import what the catalogue and the summary need (a tenth of a second), while another thread inflates the
+    trace. None of it imports torch, whose import took a second: the catalogue entries import it where they patch a
+    model, `order_graph`'s dispatcher look-ups are answered from `aten_schema`, and `device` reads torch's version
+    from its file (`tests/test_analyze_torch.py`)."""
     with collector_paused(False):
         from fusionscope import device, execution_trace, opportunities, order_graph, repeated_steps  # noqa: F401
         from fusionscope.fusions import fusions

@@ -19,14 +19,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from fusionscope.apply.layers import NormSpec, NormState, NotPatchable, norm_spec
 from fusionscope.apply.patcher import Support
 from fusionscope.apply.source import forward_replaced, unless_training
 from fusionscope.fusions.base import Binding, Graph, In, Match, leaf_input, row_micro_case, scalar_values
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from fusionscope.apply.patcher import Patcher
@@ -172,6 +171,8 @@ def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: fl
                    upcast: bool = False) -> torch.Tensor:  # fmt: skip
     """The chain's result in `dtype` (its output dtype's name; "" when the graph did not record it). `upcast` (see
     `norm_operands`): one `weight_in_fp32` launch that reads x as it is and rounds once to `dtype`, no cast kernels."""
+    import torch
+
     from fusionscope.kernels import rms_norm
 
     if upcast:
