@@ -113,7 +113,7 @@ def torch_versions() -> tuple[str, str | None]:
         try:
             facts = runpy.run_path(str(Path(folders[0]) / "version.py"))
             return str(facts["__version__"]), facts.get("cuda")
-        except (IndexError, OSError, KeyError, SyntaxError, ImportError):
+        except Exception:  # a version.py that cannot be read as expected: torch says
             pass
         import torch
     return torch.__version__, torch.version.cuda
