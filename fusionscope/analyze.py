@@ -19,6 +19,7 @@ import dataclasses
 import gc
 import gzip
 import json
+import queue
 import shutil
 import tempfile
 import time
@@ -153,8 +154,10 @@ def _analyze_file(path: Path, out: str | Path | None, device: str | None, on_sta
 
 
 def import_catalogue() -> None:
-    """Import what the catalogue and the summary need: torch (through the catalogue's entries, `order_graph`'s
-    dispatcher look-ups and `device`) takes about a second, spent while another thread inflates the trace."""
+    """Import what the catalogue and the summary need (a tenth of a second), while another thread inflates the
+    trace. None of it imports torch, whose import took a second: the catalogue entries import it where they patch a
+    model, `order_graph`'s dispatcher look-ups are answered from `aten_schema`, and `device` reads torch's version
+    from its file (`tests/test_analyze_torch.py`)."""
     with collector_paused(False):
         from fusionscope import device, execution_trace, opportunities, order_graph, repeated_steps  # noqa: F401
         from fusionscope.fusions import fusions
@@ -285,24 +288,23 @@ def parse_trace(path: Path, while_reading: Callable[[], object] | None = None,
                 ) -> tuple[TraceFacts, trace_events.TraceDocument]:  # fmt: skip
     """`read_trace`, also returning the decoded trace document (`trace_events.decode`: its events as columns).
     `while_reading` runs while another thread reads and inflates the file (zlib releases the GIL), on the other
-    core: at a million events both take most of a second."""
+    core; a gzipped file's events are then decoded as its text inflates (`_streamed`): at a million events each
+    takes most of a second."""
     if not path.exists():
         raise UsageError(f"trace not found: {path}")
     if path.is_dir():
         raise UsageError(f"{path} is a folder: pass it to analyze() as a folder of per-rank traces")
     if not path.name.endswith((".json", ".json.gz")):
         raise UsageError(f"{path} is not a .json or .json.gz trace file")
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        reading = pool.submit(read_bytes, path)
-        if while_reading is not None:
-            while_reading()
-        raw = reading.result()
-    try:
-        with collector_paused():
-            doc = trace_events.decode(raw)
-    except ValueError:  # JSONDecodeError and UnicodeDecodeError
-        raise UsageError(f"{path} is not JSON") from None
-    del raw
+    doc = _streamed(path, while_reading) if path.name.endswith(".gz") else None
+    if doc is None:  # read whole, then decoded
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            reading = pool.submit(read_bytes, path)
+            if while_reading is not None:
+                while_reading()
+            raw = reading.result()
+        doc = _decoded(path, lambda: trace_events.decode(raw))
+        del raw
     events = doc.events
     if events is None:
         raise UsageError(f"{path} is not a torch.profiler trace (no traceEvents)")
@@ -316,6 +318,56 @@ def parse_trace(path: Path, while_reading: Callable[[], object] | None = None,
                        device_kind="cuda" if cats & set(GPU_CATS) else "cpu",
                        has_stacks=bool(cats & set(STACK_CATS)))  # fmt: skip
     return facts, doc
+
+
+def _decoded(path: Path, decode: Callable[[], trace_events.TraceDocument]) -> trace_events.TraceDocument:
+    """`decode()`, with the collector paused; text that is not JSON is a UsageError."""
+    try:
+        with collector_paused():
+            return decode()
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError
+        raise UsageError(f"{path} is not JSON") from None
+
+
+def _streamed(path: Path, while_reading: Callable[[], object] | None) -> trace_events.TraceDocument | None:
+    """The gzipped trace decoded as another thread inflates it (`inflate`, `trace_events.StreamedDecode`): at a
+    million events inflating takes most of a second, and so does decoding, which now runs beside it instead of
+    after. None where the file cannot be inflated: the caller reads it whole and says why."""
+    chunks: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        reading = pool.submit(inflate, path, chunks.put)
+        if while_reading is not None:
+            while_reading()
+        decoder = trace_events.StreamedDecode()
+        with collector_paused():
+            while (chunk := chunks.get()) is not None:
+                decoder.feed(chunk)
+        if reading.exception() is not None:
+            return None
+    return _decoded(path, decoder.finish)
+
+
+INFLATED_CHUNK = 1 << 22  # bytes of text handed over at a time
+
+
+def inflate(path: Path, put: Callable[[bytes | None], object], chunk: int = INFLATED_CHUNK) -> None:
+    """Inflate the gzipped file and `put` its text chunk by chunk, then None (also when it fails). The bytes of
+    `gzip.decompress` (every member, zero padding between members skipped), which zlib checks as it goes (each
+    member's CRC and length); a damaged or truncated file raises (zlib's error, or EOFError)."""
+    try:
+        data = path.read_bytes()
+        while data:
+            member = zlib.decompressobj(16 + zlib.MAX_WBITS)  # a gzip member
+            while not member.eof:
+                text = member.decompress(data, chunk)
+                data = member.unconsumed_tail
+                if text:
+                    put(text)
+                elif not data:
+                    raise EOFError("compressed file ended before the end-of-stream marker was reached")
+            data = member.unused_data.lstrip(b"\x00")
+    finally:
+        put(None)
 
 
 @contextmanager

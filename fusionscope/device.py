@@ -9,11 +9,14 @@ figures are kept beside the measured ones for the report. CPU runs measure the C
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
 import re
+import runpy
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -22,8 +25,11 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
 
 # Vendor datasheet peaks (dense), for display beside the measured roofs. Keys are torch.cuda.get_device_name() values.
 DATASHEETS: dict[str, dict] = {
@@ -60,6 +66,8 @@ class DeviceCeilings:
 
     def peak_tflops(self) -> dict[str, float]:
         """Peaks by dtype for classification; fp32 kernels use true fp32 unless TF32 matmuls were enabled."""
+        import torch
+
         peaks = {k: v for k, v in self.tflops.items() if v}
         if torch.backends.cuda.matmul.allow_tf32 and self.tflops.get("tf32"):
             peaks["float32"] = self.tflops["tf32"]
@@ -70,6 +78,8 @@ class DeviceCeilings:
 
 
 def device_name(device: torch.device) -> str:
+    import torch
+
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     cpu = platform.processor() or platform.machine()
@@ -78,7 +88,8 @@ def device_name(device: torch.device) -> str:
 
 def software_versions() -> dict[str, str]:
     """The versions a measurement depends on; the roofs cache is keyed on them."""
-    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    torch_version, cuda = torch_versions()
+    versions = {"python": platform.python_version(), "torch": torch_version}
     distributions = {"triton": "triton", "transformers": "transformers", "pandas": "pandas",
                      "hta": "HolisticTraceAnalysis", "fusionscope": "fusionscope"}  # fmt: skip
     for key, dist in distributions.items():
@@ -86,9 +97,26 @@ def software_versions() -> dict[str, str]:
             versions[key] = version(dist)
         except PackageNotFoundError:
             versions[key] = "absent"
-    if torch.version.cuda:
-        versions["cuda"] = torch.version.cuda
+    if cuda:
+        versions["cuda"] = cuda
     return versions
+
+
+def torch_versions() -> tuple[str, str | None]:
+    """`torch.__version__` and `torch.version.cuda`. Where torch is not imported yet (`analyze`, which needs nothing
+    else of it: its import is a second), they are read from the file they come from, torch's generated `version.py`,
+    without importing torch; where that file cannot be read, torch is imported."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        spec = importlib.util.find_spec("torch")
+        folders = list(spec.submodule_search_locations or []) if spec is not None else []
+        try:
+            facts = runpy.run_path(str(Path(folders[0]) / "version.py"))
+            return str(facts["__version__"]), facts.get("cuda")
+        except Exception:  # a version.py that cannot be read as expected: torch says
+            pass
+        import torch
+    return torch.__version__, torch.version.cuda
 
 
 def cache_dir() -> Path:
@@ -169,6 +197,8 @@ def measure_ceilings(device: torch.device, versions: dict[str, str] | None = Non
 
 def _time_ms(device: torch.device, fn: Callable[[], object], reps: int) -> float:
     """Median milliseconds of `fn` after a warm-up call: CUDA events on the GPU, perf_counter on the CPU."""
+    import torch
+
     fn()
     times = []
     if device.type == "cuda":
@@ -189,6 +219,8 @@ def _time_ms(device: torch.device, fn: Callable[[], object], reps: int) -> float
 
 
 def _copy_gbps(device: torch.device, nbytes: int) -> float:
+    import torch
+
     src = torch.rand(nbytes // 4, device=device)
     dst = torch.empty_like(src)
     ms = _time_ms(device, lambda: dst.copy_(src), reps=20)
@@ -196,6 +228,8 @@ def _copy_gbps(device: torch.device, nbytes: int) -> float:
 
 
 def _read_heavy_gbps(device: torch.device, nbytes: int) -> float:
+    import torch
+
     a, b = torch.rand(nbytes // 4, device=device), torch.rand(nbytes // 4, device=device)
     c = torch.empty_like(a)
     ms = _time_ms(device, lambda: torch.add(a, b, out=c), reps=20)
@@ -203,6 +237,8 @@ def _read_heavy_gbps(device: torch.device, nbytes: int) -> float:
 
 
 def _gemm_tflops(device: torch.device, n: int) -> dict[str, float | None]:
+    import torch
+
     result: dict[str, float | None] = {}
     dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
     for label, dtype in dtypes.items():
@@ -239,6 +275,8 @@ def _host_us(fn: Callable[[], object], calls: int, sync: Callable[[], object]) -
 
 
 def _aten_op_us(device: torch.device) -> float:
+    import torch
+
     x = torch.ones(1, device=device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     return _host_us(lambda: torch.add(x, x), 2000, sync)
@@ -246,6 +284,8 @@ def _aten_op_us(device: torch.device) -> float:
 
 def _triton_launch_us() -> float | None:
     """Host cost of launching an empty Triton kernel the usual way (`kernel[grid](...)`)."""
+    import torch
+
     try:
         import triton
     except ImportError:
@@ -263,6 +303,8 @@ def _fused_call_us(device: torch.device) -> float | None:
     """Host cost of one call of a bundled kernel as a patched forward makes it: `rms_norm` on a decode-sized row,
     output allocated, dtype and stride checks in Python, then the launch. It is what a fused kernel adds to a step's
     host work, about twice an empty launch (21.5 against 10.8 µs on the H200 host, 2026-12-01)."""
+    import torch
+
     try:
         from fusionscope.kernels import rms_norm
     except ImportError:
@@ -280,6 +322,8 @@ def _graph_gap_us(device: torch.device, pairs: int = 128, hidden: int = 4096) ->
     model adds it per kernel to a graph's GPU time. Why this pattern and not a chain of one-element adds: on the
     H200 the adds leave 0.08–0.26 µs between them, a GEMV 0.70 and the GEMV + add pair 0.62 µs per kernel, and the
     replayed decode steps of 7–8B models 0.45–0.52 (`reports/apply/graph_gap.py` and its results)."""
+    import torch
+
     try:
         with torch.cuda.device(device):
             return _replayed_gap_us(device, pairs, hidden)
@@ -290,6 +334,8 @@ def _graph_gap_us(device: torch.device, pairs: int = 128, hidden: int = 4096) ->
 
 
 def _replayed_gap_us(device: torch.device, pairs: int, hidden: int) -> float | None:
+    import torch
+
     from fusionscope.gpu_replay import profile_gpu, replay_figures
 
     weight_bytes = hidden * hidden * 2

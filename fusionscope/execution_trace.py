@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from fusionscope.dataflow import LEAF
+from fusionscope.dataflow_nodes import LEAF
 from fusionscope.errors import UsageError
 from fusionscope.op_outputs import short_name
 from fusionscope.order_graph import BASIS_EXECUTION_TRACE, dataflow_table, tensor_inputs

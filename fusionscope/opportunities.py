@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from fusionscope import amdahl
-from fusionscope.dataflow import op_owners
+from fusionscope.dataflow_nodes import op_owners
 from fusionscope.fusions import Match
 
 ELEMENT_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "int16": 2,

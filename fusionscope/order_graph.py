@@ -50,7 +50,8 @@ from functools import cache
 import numpy as np
 import pandas as pd
 
-from fusionscope.dataflow import LEAF, NODE_COLUMNS, VIEW_LIKE_OPS
+from fusionscope import aten_schema
+from fusionscope.dataflow_nodes import LEAF, NODE_COLUMNS, VIEW_LIKE_OPS
 from fusionscope.op_outputs import Arguments, Sig, op_outputs, short_name
 from fusionscope.roofline.dtypes import dtype_name
 from fusionscope.roofline.elementwise import _ELEMENTWISE
@@ -70,7 +71,27 @@ dtype_of = cache(dtype_name)  # a handful of distinct type strings, looked up on
 def schema_facts(name: str, device_kind: str) -> tuple[bool, bool]:
     """(composite, view) for an op name: composite when every overload torch knows is CompositeImplicitAutograd
     without a kernel for the device (decomposed in eager mode), view when an overload returns an alias of its input.
-    Names torch does not know (other namespaces, TorchScript builtins) are neither."""
+    Names torch does not know (other namespaces, TorchScript builtins) are neither. Answered from `aten_schema`'s
+    table where the installed torch is the one it was written from (importing torch for its dispatcher costs
+    `analyze` a second), else by the dispatcher (`dispatcher_facts`)."""
+    if not name.startswith("aten::"):
+        return False, False
+    composite = aten_schema.COMPOSITE.get(device_kind)
+    if composite is None or _installed_torch() != aten_schema.TORCH:
+        return dispatcher_facts(name, device_kind)
+    short = short_name(name)
+    return short in composite, short in aten_schema.VIEWS
+
+
+@cache
+def _installed_torch() -> str:
+    from fusionscope.device import torch_versions
+
+    return torch_versions()[0]
+
+
+def dispatcher_facts(name: str, device_kind: str) -> tuple[bool, bool]:
+    """`schema_facts` as torch's dispatcher answers it (what `aten_schema`'s table is written from)."""
     import torch
 
     if not name.startswith("aten::"):

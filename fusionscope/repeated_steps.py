@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from fusionscope import dataflow, opportunities, order_graph
+from fusionscope import dataflow_nodes, opportunities, order_graph
 from fusionscope.fusions import Graph, Match, find_matches
 
 ORDER = ["step", "tid", "ts_us", "dur_us"]  # the order `order_graph.node_ops` walks a segment's ops in
@@ -153,7 +153,7 @@ def match(ops: pd.DataFrame, kernels: pd.DataFrame, roofs: dict, device_kind: st
     node_place = np.arange(len(nodes)) - np.repeat(starts, np.diff(np.append(starts, len(nodes))))
     counts = np.bincount(seg.group[node_segment], minlength=len(seg.first))[seg.group]  # nodes per segment
     base = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)  # each segment's first node
-    owner_rep = dataflow.op_owners(nodes, rep_ops)
+    owner_rep = dataflow_nodes.op_owners(nodes, rep_ops)
     owner = _owners(seg, owner_rep, row_of_op, node_place, nodes, base)
     matches = find_matches(Graph(nodes))
     if not matches:

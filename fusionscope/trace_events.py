@@ -26,6 +26,7 @@ from __future__ import annotations
 import gc
 import gzip
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -148,7 +149,7 @@ def from_json(doc: object) -> TraceDocument:
     return TraceDocument(doc.get("deviceProperties"), doc.get("distributedInfo"), columns)
 
 
-_DECODER: list = []  # msgspec's decoder, and an args struct with every default
+_DECODER: list = []  # msgspec's decoder, an args struct with every default, and a decoder of a list of events
 
 
 def _decoder() -> Any:
@@ -164,17 +165,136 @@ def _decoder() -> Any:
         doc = msgspec.defstruct(
             "TraceDoc", [("traceEvents", list[event]), ("deviceProperties", Any, None), ("distributedInfo", Any, None)]
         )
-        _DECODER.extend([msgspec.json.Decoder(doc), args()])
+        _DECODER.extend([msgspec.json.Decoder(doc), args(), msgspec.json.Decoder(list[event])])
     return _DECODER[0]
+
+
+def _events_decoder() -> Any:
+    """msgspec's decoder of a list of `_decoder`'s events."""
+    _decoder()
+    return _DECODER[2]
 
 
 def _from_structs(events: list) -> EventColumns:
     """Columns of msgspec's event structs, each read by a C-level attribute getter, not a Python loop."""
+    return EventColumns(*_struct_columns(events), structs=True)
+
+
+def _struct_columns(events: list) -> list[np.ndarray]:
+    """`_from_structs`' arrays, in `EventColumns`' order."""
     n = len(events)
     columns = [np.fromiter(map(attrgetter(f), events), dtype=object, count=n) for f in (*EVENT_FIELDS, "args")]
     args = columns[-1]
     args[np.fromiter(map(is_, args, repeat(None)), dtype=bool, count=n)] = _DECODER[1]  # no args: every default
-    return EventColumns(*columns, structs=True)
+    return columns
+
+
+EVENTS_KEY = re.compile(rb'(?<![\\\w])"traceEvents"\s*:\s*\[')  # where the list of events opens
+EVENT_GAP = re.compile(rb"\},\s*\{")  # `}, {`: where one event of the list may end and the next begin
+HEAD_LIMIT = 1 << 24  # text before the list of events: a longer header is no profiler's (the whole is decoded)
+GAP_WINDOW = 1 << 16  # the end of each chunk searched for the last gap between events
+END_TRIES = 8  # `]` from the end tried as the list's end
+
+
+class StreamedDecode:
+    """`decode` of a trace's text handed over chunk by chunk (`feed`, then `finish`) as another thread inflates it:
+    each run of whole events is decoded into columns while the next chunk inflates, instead of all of them after.
+
+    The text is cut after an event's `}` followed by `,` and the next event's `{` (`EVENT_GAP`); each piece between
+    two cuts is decoded as a list of events, the header (the text before the list, and after it) as the document
+    with an empty list, and the columns of the pieces are joined. A cut where no event ends (inside a string or a
+    nested object) leaves a piece that is no list of events, since its decode, begun where an event begins, ends
+    inside that string or object; so when every piece and the header decode, the whole text is that list in that
+    document and `decode` of it would give the same columns. Anything else (a piece or a header that does not
+    decode, no `"traceEvents": [` in the first 16 MiB, a second `"traceEvents"` in the header, no msgspec) makes
+    `finish` decode the whole text with `decode`, which says what is wrong with it or reads it with `json`."""
+
+    def __init__(self) -> None:
+        self.head: bytes | None = None  # the text through the `[` that opens the list of events
+        self.rest: list[bytes] = []  # text after the last cut (after the head), not decoded yet
+        self.pieces: list[bytes] = []  # each piece decoded, as `[` + its text + `]`
+        self.columns: list[list[np.ndarray]] = []  # each piece's columns (`_struct_columns`)
+        self.whole = msgspec is None  # True: only collect the text, `finish` decodes it whole
+
+    def feed(self, chunk: bytes) -> None:
+        """Take the next chunk of the text; decode the events it completes."""
+        if self.whole or not chunk:
+            self.rest.append(chunk)
+            return
+        if self.head is None:
+            self.rest.append(chunk)
+            text = b"".join(self.rest)
+            found = EVENTS_KEY.search(text)
+            if found is None:
+                self.rest, self.whole = [text], len(text) > HEAD_LIMIT
+                return
+            self.head, self.rest, chunk = text[: found.end()], [], text[found.end() :]
+        cut = _last_gap(chunk)
+        if cut < 0:
+            self.rest.append(chunk)
+            return
+        piece = b"".join([b"[", *self.rest, memoryview(chunk)[:cut], b"]"])
+        try:
+            events = _events_decoder().decode(piece)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self.rest.append(chunk)
+            self.whole = True
+            return
+        self.columns.append(_struct_columns(events))
+        self.pieces.append(piece)
+        self.rest = [chunk[cut + 1 :]]  # after the `,`
+
+    def finish(self) -> TraceDocument:
+        """The document of the whole text fed, equal to `decode` of it."""
+        doc = None if self.whole or self.head is None else self._end()
+        if doc is not None:
+            return doc
+        parts: list[bytes | memoryview] = [] if self.head is None else [self.head]
+        for k, piece in enumerate(self.pieces):
+            parts += [b","] * (k > 0) + [memoryview(piece)[1:-1]]
+        parts += [b","] * bool(self.pieces) + self.rest
+        text = b"".join(parts)
+        self.pieces, self.columns, self.rest = [], [], []
+        return decode(text)
+
+    def _end(self) -> TraceDocument | None:
+        """The last events and the header after them: the list's end is one of the last `]`s, the one where both
+        the events before it and the document around the empty list decode (None where none does)."""
+        tail = b"".join(self.rest)
+        assert self.head is not None
+        end = len(tail)
+        for _ in range(END_TRIES):
+            end = tail.rfind(b"]", 0, end)
+            if end < 0:
+                return None
+            skeleton = self.head + tail[end:]
+            if skeleton.count(b'"traceEvents"') != 1:
+                continue
+            try:
+                doc = _decoder().decode(skeleton)
+                events = _events_decoder().decode(b"[" + tail[:end] + b"]")
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            if doc.traceEvents:
+                return None
+            columns = [*self.columns, _struct_columns(events)]
+            joined = [np.concatenate(parts) for parts in zip(*columns, strict=True)]
+            return TraceDocument(doc.deviceProperties, doc.distributedInfo, EventColumns(*joined, structs=True))
+        return None
+
+
+def _last_gap(chunk: bytes) -> int:
+    """Where the last `EVENT_GAP` of the chunk begins, plus one (after its `}`); -1 without one."""
+    start = max(len(chunk) - GAP_WINDOW, 0)
+    while True:
+        found = None
+        for found in EVENT_GAP.finditer(chunk, start):  # noqa: B007 - the last one is wanted
+            pass
+        if found is not None:
+            return found.start() + 1
+        if start == 0:
+            return -1
+        start = max(start - 16 * GAP_WINDOW, 0)
 
 
 def _shared(raws: list) -> np.ndarray:

@@ -191,3 +191,111 @@ def test_filling_steps_and_phases_leaves_the_given_tables_alone(path: Path) -> N
     assert filled == (path.name == "cpu-plain.trace.json")
     assert (timeline.ops is parsed.timeline.ops) == (not filled)
     assert set(timeline.steps["phase"]) == ({analyze.TRACE_PHASE} if filled else {"prefill", "decode"})
+
+
+def columns_of(doc: trace_events.TraceDocument) -> tuple:
+    """Everything a decoded document holds, comparable with ==: the header, each column's values with their types."""
+    events = doc.events
+    if events is None:
+        return doc.device_properties, doc.distributed_info, None
+    fields = [[(type(v), v) for v in getattr(events, f).tolist()] for f in trace_events.EVENT_FIELDS]
+    return doc.device_properties, doc.distributed_info, events.structs, fields, events.args.tolist()
+
+
+def streamed(raw: bytes, size: int, monkeypatch: pytest.MonkeyPatch | None = None) -> trace_events.TraceDocument:
+    """`StreamedDecode` fed `raw` in chunks of `size` bytes; with `monkeypatch`, `decode` of the whole refused (the
+    pieces alone must give the document)."""
+    decoder = trace_events.StreamedDecode()
+    for start in range(0, len(raw), size):
+        decoder.feed(raw[start : start + size])
+    if monkeypatch is not None:
+        monkeypatch.setattr(trace_events, "decode", lambda _raw: pytest.fail("decoded whole"))
+    return decoder.finish()
+
+
+@pytest.mark.parametrize("path", TRACES, ids=[p.name for p in TRACES])
+@pytest.mark.parametrize("size", [1 << 22, 65_536, 1000])
+def test_streamed_decode_is_decode(path: Path, size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fed in chunks, each run of whole events decoded on its own, the trace gives what `decode` of it gives."""
+    pytest.importorskip("msgspec")
+    raw = raw_bytes(path)
+    want = columns_of(trace_events.decode(raw))
+    assert columns_of(streamed(raw, size, monkeypatch)) == want
+
+
+EVENT = '{"ph": "X", "cat": "cpu_op", "name": "%s", "ts": %d, "dur": 1, "args": {"Input Dims": [[%d]]}}'
+ODD = [  # text whose cuts or end are not where they look: each gives what `decode` gives, or the same error
+    '{"traceEvents": [' + ", ".join(EVENT % ("a}, {b", k, k) for k in range(40)) + '], "traceName": "x]y"}',
+    '{"traceName": "a\\"traceEvents\\": [", "traceEvents": ['
+    + ", ".join(EVENT % ("n", k, k) for k in range(40))
+    + "]}",
+    '{"traceEvents": [' + ", ".join(EVENT % ("n", k, k) for k in range(40)) + '], "traceEvents": []}',
+    '{"traceEvents": [], "traceEvents": [' + ", ".join(EVENT % ("n", k, k) for k in range(40)) + "]}",
+    '{"traceEvents": [' + ", ".join(EVENT % ("n", k, k) for k in range(40)) + ", ]}",
+    '{"traceEvents": [' + ", ".join(EVENT % ("n", k, k) for k in range(40)) + ", 7]}",
+    '{"traceEvents": [' + ", ".join(EVENT % ("n", k, k) for k in range(40)) + "]} trailing",
+    '{"traceEvents": [' + ", ".join(EVENT % ("n", k, k) for k in range(40)) + "]",
+    '{"traceEvents": []}',
+    '{"deviceProperties": [{"id": 0, "name": "H200"}], "traceEvents": [' + EVENT % ("n", 1, 1) + "]}",
+    "[" + ", ".join(EVENT % ("n", k, k) for k in range(40)) + "]",
+    "",
+]
+
+
+@pytest.mark.parametrize("text", ODD, ids=range(len(ODD)))
+@pytest.mark.parametrize("size", [7, 64, 10_000])
+def test_streamed_decode_of_odd_text(text: str, size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("msgspec")
+    monkeypatch.setattr(trace_events, "GAP_WINDOW", 16)  # cuts in every chunk
+    raw = text.encode()
+    try:
+        want = columns_of(trace_events.decode(raw))
+    except ValueError as exc:
+        with pytest.raises(type(exc)):
+            streamed(raw, size)
+        return
+    assert columns_of(streamed(raw, size)) == want
+
+
+def test_streamed_decode_cuts_between_events(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A header, then events cut into several pieces, decoded as they come: the whole is never decoded."""
+    pytest.importorskip("msgspec")
+    raw = ('{"deviceProperties": [{"id": 0}], "traceEvents": [' + ",\n  ".join(EVENT % ("n", k, k) for k in range(500))
+           + '],\n  "traceName": "t"}').encode()  # fmt: skip
+    decoder = trace_events.StreamedDecode()
+    for start in range(0, len(raw), 4096):
+        decoder.feed(raw[start : start + 4096])
+    assert len(decoder.pieces) > 5 and not decoder.whole
+    want = columns_of(trace_events.decode(raw))
+    assert columns_of(streamed(raw, 4096, monkeypatch)) == want
+
+
+@pytest.mark.parametrize("members", [1, 3])
+def test_inflate_is_gzip_decompress(tmp_path: Path, members: int) -> None:
+    """`analyze.inflate`'s chunks are `gzip.decompress`'s bytes, members and zero padding between them too."""
+    raw = raw_bytes(TRACES[1])
+    parts = [raw[k * len(raw) // members : (k + 1) * len(raw) // members] for k in range(members)]
+    path = tmp_path / "t.json.gz"
+    path.write_bytes(b"\0\0".join(gzip.compress(p, compresslevel=3) for p in parts))
+    chunks: list = []
+    analyze.inflate(path, chunks.append, chunk=100_000)
+    assert chunks[-1] is None and b"".join(chunks[:-1]) == gzip.decompress(path.read_bytes()) == raw
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped", "garbage after", "not gzip"])
+def test_damaged_gzip_is_refused_as_before(tmp_path: Path, damage: str) -> None:
+    """A gzip `inflate` cannot read is read whole as before: the same UsageError, or the same document."""
+    packed = gzip.compress(raw_bytes(TRACES[0]))
+    packed = {"truncated": packed[: len(packed) // 2], "flipped": packed[:5000] + bytes([packed[5000] ^ 1])
+              + packed[5001:], "garbage after": packed + b"xyz", "not gzip": b"{}"}[damage]  # fmt: skip
+    path = tmp_path / "t.json.gz"
+    path.write_bytes(packed)
+    chunks: list = []
+    with pytest.raises(Exception):  # noqa: B017 - zlib's error or EOFError, whichever zlib meets first
+        analyze.inflate(path, chunks.append)
+    assert chunks[-1] is None
+    with pytest.raises(analyze.UsageError) as streamed_error:
+        analyze.parse_trace(path)
+    with pytest.raises(analyze.UsageError) as whole_error:
+        analyze.read_bytes(path)
+    assert str(streamed_error.value) == str(whole_error.value)

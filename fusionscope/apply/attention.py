@@ -40,11 +40,11 @@ from torch import nn
 
 from fusionscope.apply.patcher import Patcher, Support
 from fusionscope.apply.source import (
-    KERNEL_DTYPES,
     Source,
     deprecated_aliases,
     expression_key,
     forward_replaced,
+    kernel_dtypes,
     read_source,
     rename,
     statement_key,
@@ -229,7 +229,7 @@ def attention_support(module: nn.Module | None, patcher: Patcher | None = None) 
     if missing:
         return f"this {type(module).__name__} has no {', '.join(missing)}"
     dtype = getattr(getattr(module.q_proj, "weight", getattr(module.q_proj, "scales", None)), "dtype", None)
-    if dtype not in KERNEL_DTYPES:
+    if dtype not in kernel_dtypes():
         return f"the kernels take fp32, fp16 or bf16 activations; the projections are {dtype}"
     modeling = modeling_module(module)
     absent = [n for n in ("ALL_ATTENTION_FUNCTIONS", "eager_attention_forward", "apply_rotary_pos_emb")

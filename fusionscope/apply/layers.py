@@ -53,16 +53,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
-
 from fusionscope.apply.source import (
-    KERNEL_DTYPES,
     Source,
     agreeing,
     deprecated_aliases,
     difference,
     forward_replaced,
+    kernel_dtypes,
     read_source,
     rename,
     template,
@@ -70,7 +67,14 @@ from fusionscope.apply.source import (
 )
 
 if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
     from fusionscope.apply.patcher import Patcher
+
+    Enter = Callable[[nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    AddNorm = Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    Leave = Callable[[torch.Tensor, torch.Tensor, dict[str, Any]], torch.Tensor]
 
 
 class NotPatchable(Exception):
@@ -171,6 +175,8 @@ def _class_spec(cls: type) -> NormSpec | str:
 
 def norm_spec(norm: nn.Module, patcher: Patcher | None = None) -> NormSpec:
     """The casting of an RMSNorm instance the kernels can stand in for; raises NotPatchable saying why not."""
+    from torch import nn
+
     cls = type(norm)
     replaced = forward_replaced(norm, patcher)
     if replaced:
@@ -184,7 +190,7 @@ def norm_spec(norm: nn.Module, patcher: Patcher | None = None) -> NormSpec:
     weight = getattr(norm, "weight", None)
     if not isinstance(weight, nn.Parameter) or weight.dim() != 1:
         raise NotPatchable(f"{cls.__name__} has no 1-d weight parameter")
-    if weight.dtype not in KERNEL_DTYPES:
+    if weight.dtype not in kernel_dtypes():
         raise NotPatchable(f"{cls.__name__}'s weight is {weight.dtype}; the kernels take fp32, fp16 and bf16")
     if not isinstance(getattr(norm, spec.eps_attr, None), float | int):
         raise NotPatchable(f"{cls.__name__} has no numeric `{spec.eps_attr}`")
@@ -311,6 +317,8 @@ def read_layer(cls: type) -> LayerForm | str:
 
 def layer_form(layer: nn.Module, patcher: Patcher | None = None) -> LayerForm:
     """The known form of a decoder-layer instance, its norms vouched for; raises NotPatchable saying why not."""
+    from torch import nn
+
     name = type(layer).__name__
     if not any(all(isinstance(getattr(layer, m, None), nn.Module) for m in s.modules) for s in SHAPES):
         known = "; ".join(f"{s.name}: {', '.join(s.modules)}" for s in SHAPES)
@@ -428,11 +436,6 @@ class LayerPlan:
     input_spec: NormSpec
     added_spec: NormSpec
     config: Any
-
-
-Enter = Callable[[nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-AddNorm = Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-Leave = Callable[[torch.Tensor, torch.Tensor, dict[str, Any]], torch.Tensor]
 
 
 def _enter(plan: LayerPlan, kernels: Any) -> Enter:

@@ -12,9 +12,11 @@ from __future__ import annotations
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+if TYPE_CHECKING:
+    from torch import nn
+
 
 _MISSING = object()
 
@@ -56,6 +58,8 @@ class Patcher:
 
     def set_attr(self, obj: Any, name: str, value: Any) -> None:
         """Set `obj.name` on the instance; on restore, put back the old instance attribute or remove the new one."""
+        from torch import nn
+
         old = obj.__dict__.get(name, _MISSING) if hasattr(obj, "__dict__") else _MISSING
         object.__setattr__(obj, name, value) if isinstance(obj, nn.Module) else setattr(obj, name, value)
 

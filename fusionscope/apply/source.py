@@ -23,15 +23,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from fusionscope.apply.patcher import Patcher
 
-# the activation dtypes every bundled kernel takes
-KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+@functools.cache
+def kernel_dtypes() -> tuple[torch.dtype, ...]:
+    """The activation dtypes every bundled kernel takes (torch is imported here, on first use: `analyze` matches
+    the catalogue without it)."""
+    import torch
+
+    return (torch.float32, torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from torch import nn
-
 from fusionscope.apply.layers import (
     LayerPlan,
     NormState,
@@ -30,6 +28,8 @@ from fusionscope.fusions.base import Binding, Graph, In, Match, row_micro_case
 from fusionscope.fusions.rms_norm import fused_rms_norm, is_residual_add, norm_chain, norm_operands
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from fusionscope.apply.patcher import Patcher
     from fusionscope.bench.cases import Case
 
@@ -172,6 +172,8 @@ def _locate(patcher: Patcher, path: str) -> _Site:
 def _stack_of(patcher: Patcher, layer_path: str) -> tuple[nn.Module | None, int, nn.Module | None]:
     """(the ModuleList holding the layer at `layer_path`, the layer's index in it, the list's owner); Nones and -1
     when the layer is in no list."""
+    from torch import nn
+
     stack_path, _, index = layer_path.rpartition(".")
     stack = patcher.module(stack_path) if index.isdigit() else None
     if not isinstance(stack, nn.ModuleList):
@@ -182,6 +184,8 @@ def _stack_of(patcher: Patcher, layer_path: str) -> tuple[nn.Module | None, int,
 def _final_site(norm: nn.Module, owner: nn.Module) -> _Site | None:
     """The "final" site of `norm` when its owner holds exactly one stack of known decoder layers and runs all of
     them (`config.num_hidden_layers`), so that its last layer's output is what the norm gets; else None."""
+    from torch import nn
+
     stacks = []
     for child in owner.children():
         if isinstance(child, nn.ModuleList) and len(child):

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from fusionscope.apply.patcher import Support
-from fusionscope.dataflow import LEAF
+from fusionscope.dataflow_nodes import LEAF
 from fusionscope.fusions.base import Graph, Match, gating_muls, rows_and_width
 from fusionscope.fusions.linear_act import activation_nodes
 

@@ -24,12 +24,14 @@ Not in the group (misses): the causal mask construction in `model` (arange/le/wh
 from __future__ import annotations
 
 import copy
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from fusionscope.apply.patcher import Patcher, Support
 from fusionscope.fusions.base import Graph, Match
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 KEY = "flash_attention"
 KERNEL = None  # served by torch's fused SDPA / flash-attn: attn_implementation="sdpa" or "flash_attention_2"
@@ -113,6 +115,8 @@ def _sdpa_refusal(module: nn.Module, config: object) -> str:
 def _cuda_fused_sdpa(weight: torch.Tensor, head_dim: int) -> bool:
     """Whether a fused SDPA backend (memory-efficient, cuDNN or flash) accepts (1, 1, 2, head_dim) q/k/v in the
     weight's dtype with an additive float mask, as the eager model's attention calls it; True when torch cannot say."""
+    import torch
+
     cuda = torch.backends.cuda
     try:
         q = torch.zeros(1, 1, 2, head_dim, dtype=weight.dtype, device=weight.device)

@@ -22,15 +22,15 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
-
 from fusionscope.apply.patcher import Patcher, Support
 from fusionscope.apply.source import forward_replaced, unless_training
-from fusionscope.dataflow import LEAF
+from fusionscope.dataflow_nodes import LEAF
 from fusionscope.fusions.base import Graph, Match
 
 if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
     from fusionscope.bench.cases import Case
 
 KEY = "qkv"
@@ -161,23 +161,27 @@ class FusedProjections:
     nn.Linear's forward on its own weight (`unless_training`), so gradients reach the original Parameters."""
 
     def __init__(self, fused: nn.Linear, sizes: list[int]) -> None:
+        import torch
+
         self.fused = fused  # holds the fused weight (ΣN, K) and bias (ΣN,) the originals are views of
         self.sizes = sizes
         self.pending: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # index -> (input, version, output)
+        # torch's functions bound once: `output` runs at every decode step, where an import would cost host time
+        self.linear, self.compiling = torch.nn.functional.linear, torch.compiler.is_compiling
 
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Projection `index` of x: (..., K) -> (..., N_index), a view of the group's (..., ΣN) output."""
         kept = self.pending.pop(index, None)
-        if kept is not None and kept[0] is x and kept[1] == _version(x):
+        if kept is not None and kept[0] is x and kept[1] == _version(x, self.compiling):
             return kept[2]
         # F.linear directly, not the FusedLinear module: a module call costs host time at decode, where this runs
-        outputs = nn.functional.linear(x, self.fused.weight, self.fused.bias).split(self.sizes, dim=-1)
-        version = _version(x)
+        outputs = self.linear(x, self.fused.weight, self.fused.bias).split(self.sizes, dim=-1)
+        version = _version(x, self.compiling)
         self.pending = {i: (x, version, out) for i, out in enumerate(outputs) if i != index}
         return outputs[index]
 
 
-def _version(x: torch.Tensor) -> int:
+def _version(x: torch.Tensor, compiling: Callable[[], bool]) -> int:
     """x's version counter, which every in-place write bumps; -1 for an inference tensor (made under
     `torch.inference_mode`, how fusionscope runs models), which has none. For those only identity is checked: inside
     inference mode an inference tensor can be written in place, and a write to the input between the call that
@@ -186,7 +190,7 @@ def _version(x: torch.Tensor) -> int:
     back to back), and a write before the next forward's first projection call is harmless: that call recomputes
     the group (`FusedProjections`). Code that calls the fused projections itself, with in-place writes between
     them, under inference mode, gets stale outputs."""
-    if torch.compiler.is_compiling():  # traced once per graph: identity is what a captured graph can check
+    if compiling():  # `torch.compiler.is_compiling`: traced once per graph: identity is what a captured graph can check
         return -1
     return -1 if x.is_inference() else x._version
 
@@ -200,19 +204,23 @@ def projection_forward(group: FusedProjections, index: int) -> Callable[..., tor
     return unless_training(forward)
 
 
-@torch.no_grad()
 def unfuse(linears: list[nn.Linear]) -> None:
     """Give each Linear's weight and bias their own storage again, with the same values (a copy of their rows of the
     fused tensor), then let the fused tensor go. The storage is re-allocated rather than the original kept through the
     patch, because keeping the original alive beside the fused tensor would cost a full copy of these weights."""
-    for linear in linears:
-        linear.weight.data = linear.weight.data.clone()
-        if linear.bias is not None:
-            linear.bias.data = linear.bias.data.clone()
+    import torch
+
+    with torch.no_grad():
+        for linear in linears:
+            linear.weight.data = linear.weight.data.clone()
+            if linear.bias is not None:
+                linear.bias.data = linear.bias.data.clone()
 
 
 def _refusal(patcher: Patcher, linears: list[nn.Module | None], names: tuple[str, ...]) -> str:
     """Why these projections cannot share one GEMM ('' when they can)."""
+    from torch import nn
+
     for name, linear in zip(names, linears, strict=True):
         if linear is None:
             return f"it has no {name}"

@@ -35,14 +35,13 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from fusionscope.apply.layers import NormSpec, NormState, NotPatchable, norm_spec
 from fusionscope.apply.patcher import Support
 from fusionscope.apply.source import forward_replaced, unless_training
 from fusionscope.fusions.base import Binding, Graph, In, Match, leaf_input, row_micro_case, scalar_values
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from fusionscope.apply.patcher import Patcher
@@ -236,6 +235,8 @@ def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: fl
     `residual`: `residual + norm` in the same launch (the residual has the chain's output dtype: `absorbed_add`);
     should the kernel's own result dtype not be that (a cast the chain ends in), the norm is cast and then added, as
     the model does: exact, two launches."""
+    import torch
+
     from fusionscope.kernels import rms_norm
     from fusionscope.kernels.rms_norm import output_dtype
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from fusionscope.apply.patcher import Support
-from fusionscope.dataflow import METADATA_OPS
+from fusionscope.dataflow_nodes import METADATA_OPS
 from fusionscope.fusions.base import Graph, Match
 
 if TYPE_CHECKING:

@@ -11,10 +11,14 @@ from collections.abc import Callable
 from functools import cache, partial
 from typing import TYPE_CHECKING, Any
 
-from torch import nn
-
 from fusionscope.apply.patcher import Patcher, Support
-from fusionscope.apply.source import KERNEL_DTYPES, forward_replaced, read_source, statement_key, unless_training
+from fusionscope.apply.source import (
+    forward_replaced,
+    kernel_dtypes,
+    read_source,
+    statement_key,
+    unless_training,
+)
 from fusionscope.fusions.base import Binding, Graph, In, Match, input_index, row_micro_case
 
 if TYPE_CHECKING:
@@ -132,6 +136,8 @@ def glu_forward(layout: str, kernel: Callable[..., Any]) -> Callable[..., Any]:
 
 def glu_support(patcher: Patcher, path: str, fusion: str) -> tuple[str, str] | str:
     """(layout, approximate) when the MLP at `path` can take `fusion`'s kernel; else the reason."""
+    from torch import nn
+
     mlp = patcher.module(path)
     if mlp is None:
         return "the model has no module at this path"
@@ -152,7 +158,7 @@ def glu_support(patcher: Patcher, path: str, fusion: str) -> tuple[str, str] | s
         return f"its activation {type(act).__name__} is {kind[0]}'s, not {fusion}'s"
     first = mlp.gate_up_proj if layout == "phi3" else mlp.gate_proj
     dtype = getattr(getattr(first, "weight", getattr(first, "scales", None)), "dtype", None)  # a W4 Linear: scales
-    if dtype not in KERNEL_DTYPES:
+    if dtype not in kernel_dtypes():
         return f"the {fusion} kernel takes fp32, fp16 or bf16 activations; the gate projection is {dtype}"
     return layout, kind[1]
 

@@ -8,6 +8,8 @@ which `analyze` and `apply --graphs`'s replayed steps both classify by.
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import numpy as np
@@ -136,18 +138,28 @@ def classify_kernels(
     return out
 
 
+TF32_OVERRIDE = "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"  # torch's environment switch that turns TF32 matmuls on
 NO_ROOF_COLUMNS = ("peak_tflops", "attainable_tflops", "frac_bandwidth", "frac_compute", "achieved_frac")
 
 
 def peak_tflops(roofs: dict) -> dict[str, float]:
     """Peaks by dtype as `DeviceCeilings.peak_tflops` gives them: fp32 kernels on TF32 only where this process
     enabled TF32 matmuls (a trace does not record whether its program did)."""
-    import torch
-
     peaks = {k: float(v) for k, v in (roofs.get("tflops") or {}).items() if v}
-    if torch.backends.cuda.matmul.allow_tf32 and peaks.get("tf32"):
+    if peaks.get("tf32") and tf32_matmuls():
         peaks["float32"] = peaks["tf32"]
     return peaks
+
+
+def tf32_matmuls() -> bool:
+    """Whether this process enabled TF32 matmuls (`torch.backends.cuda.matmul.allow_tf32`). Where torch is not
+    imported (`analyze`, to which its import would add a second) nothing enabled them but torch's environment
+    override, `TORCH_ALLOW_TF32_CUBLAS_OVERRIDE`; where that is set, torch is asked."""
+    if "torch" not in sys.modules and TF32_OVERRIDE not in os.environ:
+        return False
+    import torch
+
+    return bool(torch.backends.cuda.matmul.allow_tf32)
 
 
 def classify_against(kernels: pd.DataFrame, roofs: dict | None) -> pd.DataFrame:
