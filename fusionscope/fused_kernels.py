@@ -88,6 +88,7 @@ ENGINE_KERNELS: tuple[EngineKernel, ...] = (
     _k(r"(?<!\w)_add_layer_norm_kernel\b", "add_layer_norm", "fusionscope"),
     _k(r"(?<!\w)_bias_gelu_kernel\b", "bias_gelu", "fusionscope"),
     _k(r"(?<!\w)_linear_act_kernel\b", "linear_act", "fusionscope"),
+    _k(r"(?<!\w)_gemv_kernel\b", "gemv", "fusionscope"),
     _k(r"(?<!\w)_(?:sample|candidates|pick)_kernel\b", "sampling", "fusionscope"),
     # Liger (src/liger_kernel/ops/*.py)
     _k(r"(?<!\w)_fused_add_rms_norm_forward_kernel\b", "add_rms_norm", "liger"),

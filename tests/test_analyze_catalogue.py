@@ -105,13 +105,18 @@ def test_h200_traces_count_what_the_dataflow_finder_counts(name: str, layers: in
     """Per step the dataflow finder counts, for a Llama of L layers with sdpa attention and greedy decoding: 2·L
     add + norm groups (every norm after a residual add, the final one too), 1 lone norm (layer 0's input norm), L
     each of SwiGLU, rope (+ cache write), qkv and gate_up — as the catalogue sample run of llama-3.2-1b shows — and
-    in decode steps L decode_attention."""
+    in decode steps L decode_attention and 2·L gemv (o_proj, down_proj), plus the LM head on its last position where
+    it is at most gemv.WIDEST wide (the tiny model's; llama-3.2-1b's 128256 is not)."""
     monkeypatch.setenv("FUSIONSCOPE_CACHE_DIR", str(tmp_path / "cache"))
     sample = json.loads(SAMPLE_1B.read_text())
     reference = {(o["fusion"], o["phase"]): o["count"] for o in sample["opportunities"]}
     assert reference[("add_rms_norm", "decode")] == 32 and reference[("qkv", "prefill")] == 16  # L = 16
     expected = {key: n * layers / 16 if key[0] != "rms_norm" else n for key, n in reference.items()}
     expected[("decode_attention", "decode")] = layers  # one query token's SDPA call per layer (after that sample)
+    lm_head = int(name.startswith("tiny"))
+    expected[("gemv", "decode")] = 2 * layers + lm_head  # (after that sample)
+    if lm_head:
+        expected[("gemv", "prefill")] = 1
     run = analyze(DATA / f"{name}.trace.json.gz", out=tmp_path / "run")
     got = {(o["fusion"], o["phase"]): o["count"] for o in run.summary["opportunities"]}
     assert got == expected
@@ -131,7 +136,7 @@ def test_inferred_groups_never_overlap() -> None:
     matches = find_matches(Graph(order_graph.infer_dataflow(timeline.ops, timeline.device_kind)))
     nodes = [n for m in matches for n in m.nodes]
     decode_steps = 2
-    assert len(nodes) == len(set(nodes)) and len(matches) == 5 * (32 + 1 + 4 * 16) + decode_steps * 16
+    assert len(nodes) == len(set(nodes)) and len(matches) == 5 * (32 + 1 + 4 * 16) + decode_steps * (16 + 2 * 16)
 
 
 def test_execution_trace_gives_exact_edges_and_the_same_groups(tmp_path: Path) -> None:
@@ -143,7 +148,7 @@ def test_execution_trace_gives_exact_edges_and_the_same_groups(tmp_path: Path) -
     # per step (the median over the steps that hold one, as `count` is): decode_attention in the 2 decode steps, its
     # one-position query telling them from the prefill in a trace whose steps are one phase
     assert got == {"add_rms_norm": 4, "rms_norm": 1, "silu_and_mul": 2, "rope": 2, "qkv": 2, "gate_up": 2,
-                   "decode_attention": 2}  # fmt: skip
+                   "decode_attention": 2, "gemv": 5}  # fmt: skip
     assert {o["basis"] for o in s["opportunities"]} == {"execution trace"}
     assert {o["confidence"] for o in s["opportunities"]} == {"high"}
     timeline, _missing = fill_steps_and_phases(trace.load_timeline(ET_TRACE))

@@ -460,6 +460,29 @@ def linear_act_case(rows: int, hidden: int, width: int, activation: str = "gelu_
     )
 
 
+def gemv_case(hidden: int, width: int, bias: bool = False) -> Case:
+    """One row through a Linear: cuBLAS (`F.linear`) vs the streaming GEMV."""
+    mod = kernel_module("gemv")
+    return Case(
+        "gemv",
+        f"1x{hidden}->{width}{' +b' if bias else ''}",
+        "decode",
+        build=lambda dev, dt: {
+            "x": torch.randn(1, hidden, device=dev, dtype=dt),
+            "w": torch.randn(width, hidden, device=dev, dtype=dt) / hidden**0.5,
+            "b": torch.randn(width, device=dev, dtype=dt) if bias else None,
+        },
+        traffic=lambda i: (
+            nbytes(*(t for t in (i["x"], i["w"], i["b"]) if t is not None)) + width * i["x"].element_size()
+        ),
+        variants={
+            "eager": lambda i: F.linear(i["x"], i["w"], i["b"]),
+            "fusionscope": lambda i: mod.gemv(i["x"], i["w"], i["b"]),
+        },
+        reference=lambda i: mod.gemv_reference(_f64(i)["x"], _f64(i)["w"], _f64(i)["b"]),
+    )
+
+
 def _torchao_int4(group_size: int) -> tuple[Callable[[torch.Tensor], Any] | None, str]:
     """(a builder of torchao's int4 weight-only Linear from a float (N, K) weight, torchao's version), or (None, why
     it is not available here)."""
@@ -651,6 +674,11 @@ def linear_act_cases() -> list[Case]:
     return [linear_act_case(rows, *LINEAR) for rows in (*DECODE_ROWS, PREFILL_ROWS[0])]
 
 
+def gemv_cases() -> list[Case]:
+    """Llama-3-8B's o_proj and down_proj, and Phi-3-mini's o_proj (3072 wide), at one row."""
+    return [gemv_case(HIDDEN[0], HIDDEN[0]), gemv_case(INTERMEDIATE, HIDDEN[0]), gemv_case(3072, 3072, bias=True)]
+
+
 def w4a16_gemm_cases() -> list[Case]:
     """Llama-3-8B's projections at decode and prefill rows: hidden → hidden, hidden → intermediate, intermediate →
     hidden."""
@@ -679,6 +707,7 @@ CASES: dict[str, Callable[[], list[Case]]] = {
     "add_layer_norm": add_layer_norm_cases,
     "bias_gelu": bias_gelu_cases,
     "linear_act": linear_act_cases,
+    "gemv": gemv_cases,
     "w4a16_gemm": w4a16_gemm_cases,
     "sample": sample_cases,
     "qkv": qkv_cases,

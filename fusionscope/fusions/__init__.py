@@ -16,10 +16,11 @@ from fusionscope.fusions.base import Graph, Match
 # Order matters where two entries could claim the same node: dequant_gemm before the GEMM entries (on a quantised
 # model they share the matmul), linear_act before the activation entries (it never takes a GLU gate), bias_gelu
 # after it (a bias add that follows a GEMM belongs to the GEMM's epilogue), allreduce_add_rms_norm before
-# add_rms_norm (under tensor parallelism the add + norm after an all-reduce belong to the all-reduce's epilogue).
+# add_rms_norm (under tensor parallelism the add + norm after an all-reduce belong to the all-reduce's epilogue),
+# gemv after every entry that takes a GEMM (it serves the one-row Linears the others leave).
 _MODULES = ("dequant_gemm", "linear_act", "bias_gelu", "allreduce_add_rms_norm", "add_rms_norm", "rms_norm",
             "silu_and_mul", "gelu_and_mul", "add_layer_norm", "rope", "flash_attention", "decode_attention", "qkv",
-            "gate_up", "sampling")  # fmt: skip
+            "gate_up", "gemv", "sampling")  # fmt: skip
 
 
 def fusions() -> list[ModuleType]:

@@ -160,21 +160,24 @@ class FusedProjections:
     first call recomputes the group and drops whatever an earlier forward left. In training mode each projection runs
     nn.Linear's forward on its own weight (`unless_training`), so gradients reach the original Parameters."""
 
-    def __init__(self, fused: nn.Linear, sizes: list[int]) -> None:
+    def __init__(self, fused: nn.Linear, sizes: list[int], linear: Callable[..., torch.Tensor] | None = None) -> None:
         import torch
 
         self.fused = fused  # holds the fused weight (ΣN, K) and bias (ΣN,) the originals are views of
         self.sizes = sizes
         self.pending: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # index -> (input, version, output)
-        # torch's functions bound once: `output` runs at every decode step, where an import would cost host time
-        self.linear, self.compiling = torch.nn.functional.linear, torch.compiler.is_compiling
+        # functions bound once: `output` runs at every decode step, where an import would cost host time. The GEMM is
+        # `linear` (the patch gives `fusionscope.kernels.gemv`: one row streams as a GEMV, more rows and outputs wider
+        # than its WIDEST go to F.linear), else F.linear.
+        self.linear = linear or torch.nn.functional.linear
+        self.compiling = torch.compiler.is_compiling
 
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Projection `index` of x: (..., K) -> (..., N_index), a view of the group's (..., ΣN) output."""
         kept = self.pending.pop(index, None)
         if kept is not None and kept[0] is x and kept[1] == _version(x, self.compiling):
             return kept[2]
-        # F.linear directly, not the FusedLinear module: a module call costs host time at decode, where this runs
+        # the function directly, not the FusedLinear module: a module call costs host time at decode, where this runs
         outputs = self.linear(x, self.fused.weight, self.fused.bias).split(self.sizes, dim=-1)
         version = _version(x, self.compiling)
         self.pending = {i: (x, version, out) for i, out in enumerate(outputs) if i != index}
@@ -245,7 +248,7 @@ def patch_linears(patcher: Patcher, paths: list[str], key: str, names: tuple[str
     back. Where a weight is a view of a larger buffer (weights mapped from a file), that buffer stays alive and the
     patch costs one copy of the group's weights."""
     try:
-        from fusionscope.kernels import fuse_linears
+        from fusionscope.kernels import fuse_linears, gemv
     except ImportError as error:
         return {path: Support.no(f"fusionscope.kernels does not load here: {error}") for path in paths}
     results = {}
@@ -265,7 +268,7 @@ def patch_linears(patcher: Patcher, paths: list[str], key: str, names: tuple[str
             results[path] = Support.no(reason)
             continue
         patcher.on_restore(partial(unfuse, linears))
-        group = FusedProjections(fused, [linear.out_features for linear in linears])
+        group = FusedProjections(fused, [linear.out_features for linear in linears], gemv)
         for index, linear in enumerate(linears):
             patcher.set_forward(linear, projection_forward(group, index), owner=key)
         patcher.state.setdefault(key, {})[path] = group

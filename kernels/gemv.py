@@ -1,0 +1,164 @@
+"""GEMV: one row of activations times a Linear's weight, streamed at the copy roof — the decode step's matrix work.
+
+At batch-1 decode every Linear is a matrix-vector product: `out = x @ W.T (+ b)` with x: (1, K), W: (N, K). Its
+FLOPs are nothing (2·N·K); its cost is reading W once, N·K·s bytes, so its floor is N·K·s at the copy bandwidth.
+cuBLAS picks a GEMM kernel for it by shape: on the H200 (torch 2.11, bf16) the 4096-wide and 3072-wide projections of
+Llama-3.1-8B and Phi-3-mini got `64x8` split-K tiles plus a second launch that sums the splits, which read at 62–77%
+of copy bandwidth in the replayed decode step (`reports/apply/rewrite/README.md`). Per call, element size s:
+    cuBLAS split-K = N·K·s + (K + N)·s + 2·splits·N·4 (partial sums out and back)      2 launches
+    this kernel    = N·K·s + (K + N)·s (+ N·s bias)                                     1 launch
+so what this kernel adds is bytes in flight where cuBLAS's tiles leave the memory system idle, and one launch less.
+
+Schedule: a program owns BLOCK_N consecutive output columns (rows of W, each a contiguous run of K elements) and walks
+K in BLOCK_K steps, loading a (BLOCK_N, BLOCK_K) tile of W and BLOCK_K of x, and accumulating their products in a
+(BLOCK_N, BLOCK_K) fp32 tile that is summed over K once, after the loop, so the loop holds no reduction and no
+shuffle. PREFETCH loads the next tile before working on this one (Triton's pipeliner stages only loads that feed a
+dot, so the bytes in flight come from the tile size, the resident programs and this). No split of K: N / BLOCK_N
+programs fill the GPU at decode widths (3072 / 4 = 768 programs), and one launch writes the rounded output.
+
+Numerics: fp32 products and sums, the bias added in fp32, one rounding to the output dtype — what cuBLAS does, in
+another summation order, so outputs differ from F.linear by the order of fp32 sums (a few units in the last place of
+the dtype), and both are compared with a float64 reference in the tests.
+
+Only one row, at most WIDEST outputs: more rows (batched decode, prefill) and wider outputs (the LM head, a fused
+gate_up) go to `F.linear`, whose kernels are what those shapes want.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from fusionscope.kernels.dispatch import Tunables, cdiv, launchable, run
+from fusionscope.kernels.rounding import round_to
+from torch.library import triton_op
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` in float64: x (..., K), weight (N, K), bias (N,) → (..., N) float64."""
+    out = x.double() @ weight.double().T
+    return out + bias.double() if bias is not None else out
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,  # (K,) activations, stride stride_xk
+    w_ptr,  # (N, K) weight, strides stride_wn, stride_wk
+    b_ptr,  # (N,) bias, stride stride_b; read only if HAS_BIAS
+    out_ptr,  # (N,) output, stride stride_on
+    N,
+    K,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_b,
+    stride_on,
+    HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr,  # interpreter: round the output to bf16 by hand
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr,  # load the next tile of W before working on this one
+):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok = rn < N
+    w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn  # (BLOCK_N, 1)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if PREFETCH:
+        w = tl.load(w_rows + rk[None, :] * stride_wk, mask=n_ok[:, None] & (rk < K)[None, :], other=0.0)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + rk
+            ahead = k + BLOCK_K  # past K: masked, no memory traffic
+            w_next = tl.load(w_rows + ahead[None, :] * stride_wk, mask=n_ok[:, None] & (ahead < K)[None, :],
+                             other=0.0)  # fmt: skip
+            xk = tl.load(x_ptr + k * stride_xk, mask=k < K, other=0.0)
+            acc += w.to(tl.float32) * xk.to(tl.float32)[None, :]
+            w = w_next
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + rk
+            w = tl.load(w_rows + k[None, :] * stride_wk, mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+            xk = tl.load(x_ptr + k * stride_xk, mask=k < K, other=0.0)
+            acc += w.to(tl.float32) * xk.to(tl.float32)[None, :]
+    total = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        total += tl.load(b_ptr + rn * stride_b, mask=n_ok, other=0.0).to(tl.float32)
+    if UPCAST:  # the interpreter truncates fp32 → bf16: round to nearest by hand (`rounding`)
+        total = round_to(total, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rn * stride_on, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+# The schedules, (columns per program, inputs per step, warps, prefetch), chosen on the H200 by
+# `reports/gemv/gpu_gemv.py` (2026-12-04 18:44, bf16, weights L2-cold, 16 decode projections of six families, 16
+# schedules; reports/gemv/README.md):
+# up to `narrow_max` outputs, 4 columns with prefetch (1.05–1.39× cuBLAS: more programs keep more loads in flight);
+# wider, 8 columns without (0.98–1.17×; with prefetch the wide ones lost up to 14%). `force` (a schedule) overrides
+# both: the sweep's handle.
+TILES = Tunables(narrow=(4, 512, 4, 1), wide=(8, 512, 4, 0), narrow_max=4608, force=None)
+INTERPRETER = (8, 64, 4, 0)  # the Triton interpreter runs ~1.5 ms per program: few, wide ones
+
+
+def schedule(N: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, PREFETCH) for N outputs."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return INTERPRETER
+    if TILES["force"] is not None:
+        return TILES["force"]
+    narrow = N <= TILES["narrow_max"]  # noqa: SIM300
+    return TILES["narrow"] if narrow else TILES["wide"]
+
+
+def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """Writes x @ weight.T (+ bias) into out; x: (K,) any stride, weight: (N, K) any strides, out: (N,)."""
+    N, K = weight.shape
+    block_n, block_k, num_warps, prefetch = schedule(N)
+    block_k = min(block_k, max(16, 1 << (K - 1).bit_length()))
+    launchable(_gemv_kernel)[(cdiv(N, block_n),)](
+        x, weight, bias if bias is not None else out, out, N, K, x.stride(0), weight.stride(0), weight.stride(1),
+        bias.stride(0) if bias is not None else 0, out.stride(0), HAS_BIAS=bias is not None,
+        UPCAST=os.environ.get("TRITON_INTERPRET") == "1" and out.dtype == torch.bfloat16, BLOCK_N=block_n,
+        BLOCK_K=block_k, PREFETCH=prefetch, num_warps=num_warps,
+    )  # fmt: skip
+
+
+triton_op("fusionscope::gemv", mutates_args={"out"})(_gemv_op)
+
+
+# The widest output the kernel serves: from 16384 outputs on, cuBLAS streams the weight at the copy roof too
+# (0.98–1.01× at 16384–28672 in the sweep), and `gemv` leaves them to it. `fusionscope.fusions.gemv.WIDEST` is the same
+# bound on the finder's side (tests check that they agree).
+WIDEST = 12288
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `gemv` runs its kernel for these operands (one row of x, at most WIDEST outputs unless a schedule is
+    forced, on a GPU or under the interpreter, a dtype it takes); otherwise it calls F.linear."""
+    return (
+        math.prod(x.shape[:-1]) == 1
+        and (weight.shape[0] <= WIDEST or TILES["force"] is not None)
+        and x.dtype == weight.dtype
+        and x.dtype in _DTYPES
+        and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    )
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for one row of x in one streaming launch: x (..., K) with one row in all, weight
+    (N, K), bias (N,) or None, one dtype (fp32/fp16/bf16) and device. Any other input (several rows, more than
+    WIDEST outputs, mixed dtypes, a CPU tensor outside the interpreter) is `F.linear`'s. Returns (..., N)."""
+    if not takes(x, weight):
+        return F.linear(x, weight, bias)
+    N, K = weight.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"gemv: x has {x.shape[-1]} inputs, the weight {K}")
+    if bias is not None and (bias.shape != (N,) or bias.dtype != x.dtype):
+        raise ValueError(f"gemv: bias must be ({N},) {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
+    out = x.new_empty((*x.shape[:-1], N))
+    run("gemv", _gemv_op, x.reshape(K), weight, bias, out.view(N))
+    return out
