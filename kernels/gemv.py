@@ -101,7 +101,7 @@ def _gemv_kernel(
 # wider, 8 columns without (0.98–1.17×; with prefetch the wide ones lost up to 14%). `force` (a schedule) overrides
 # both: the sweep's handle.
 TILES = Tunables(narrow=(4, 512, 4, 1), wide=(8, 512, 4, 0), narrow_max=4608, force=None)
-INTERPRETER = (8, 64, 4, 0)  # the Triton interpreter runs ~1.5 ms per program: few, wide ones
+INTERPRETER = (64, 64, 4, 0)  # the Triton interpreter runs ~1.5 ms per program: few, wide ones
 
 
 def schedule(N: int) -> tuple[int, int, int, int]:

@@ -88,6 +88,7 @@ ENGINE = [
     ("_add_layer_norm_kernel", "", "add_layer_norm", "fusionscope"),
     ("_bias_gelu_kernel", "", "bias_gelu", "fusionscope"),
     ("_linear_act_kernel", "", "linear_act", "fusionscope"),
+    ("_gemv_kernel", "", "gemv", "fusionscope"),
     ("_sample_kernel", "", "sampling", "fusionscope"),
     ("_fused_add_rms_norm_forward_kernel", "", "add_rms_norm", "liger"),
     ("_rms_norm_forward_kernel", "", "rms_norm", "liger"),

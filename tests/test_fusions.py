@@ -33,13 +33,13 @@ def counts_per_step(graph: Graph) -> dict[int, Counter]:
 def test_llama_counts_follow_the_config(layers: int, dtype: torch.dtype, tmp_path: Path) -> None:
     """Per step: 2L add_rms_norm (every norm after a residual add, the final norm included), 1 rms_norm (layer 0's
     input norm), and L each of silu_and_mul, rope, qkv and gate_up; decode steps also L decode_attention (one query
-    token's SDPA call per layer). gemv: the LM head on the last position (one row) in every step, and at decode also
-    o_proj and down_proj (the one-row Linears the horizontal fusions leave), 2L + 1."""
+    token's SDPA call per layer) and 2L + 1 gemv: o_proj, down_proj (the one-row Linears the horizontal fusions
+    leave) and the LM head."""
     graph = record({**models.PRESETS["tiny-llama"], "num_hidden_layers": layers}, tmp_path, dtype)
     per_step = counts_per_step(graph)
     assert sorted(per_step) == list(range(5))  # 3 prefill steps, 2 decode steps
     for step, counts in per_step.items():
-        decode = {"decode_attention": layers, "gemv": 2 * layers + 1} if step >= 3 else {"gemv": 1}
+        decode = {"decode_attention": layers, "gemv": 2 * layers + 1} if step >= 3 else {}
         assert counts == Counter({"add_rms_norm": 2 * layers, "rms_norm": 1, "silu_and_mul": layers, "rope": layers,
                                   "qkv": layers, "gate_up": layers, **decode})  # fmt: skip
 
@@ -62,15 +62,15 @@ def test_gemma2_counts(tmp_path: Path) -> None:
     norm (2L add_rms_norm with the final norm); layer 0's input norm (after the embedding scale) and the
     post-attention and post-feedforward norms are plain (2L + 1). Its MLP is GeGLU: L gelu_and_mul, no silu_and_mul;
     and L each of rope, qkv and gate_up. transformers runs Gemma-2's attention eagerly (its logit soft-capping has no
-    SDPA path), so flash_attention matches L too. gemv: the LM head on the last position, and in decode steps also
-    o_proj and down_proj (2L + 1)."""
+    SDPA path), so flash_attention matches L too. gemv in decode steps: o_proj, down_proj and the LM head (2L + 1)."""
     config = {**models.PRESETS["gemma-2-2b"], "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 2,
               "num_key_value_heads": 1, "head_dim": 32, "intermediate_size": 96, "vocab_size": 300,
               "sliding_window": 16}  # fmt: skip
     graph = record(config, tmp_path, torch.bfloat16)
     for step, counts in counts_per_step(graph).items():
+        decode = {"gemv": 7} if step >= 3 else {}
         assert counts == Counter({"add_rms_norm": 6, "rms_norm": 7, "gelu_and_mul": 3, "rope": 3, "qkv": 3,
-                                  "gate_up": 3, "flash_attention": 3, "gemv": 7 if step >= 3 else 1})  # fmt: skip
+                                  "gate_up": 3, "flash_attention": 3, **decode})  # fmt: skip
     norm = next(m for m in find_matches(graph) if m.fusion == "rms_norm")
     assert sum(graph.name[n] == "aten::add" for n in norm.nodes) == 2  # ε and Gemma's 1 + w
 

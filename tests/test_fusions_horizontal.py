@@ -81,10 +81,11 @@ def test_phi3_is_already_fused(tmp_path: Path) -> None:
 
 def test_disjoint_from_the_other_entries(tmp_path: Path) -> None:
     """The groups start at the views after the norms' output and end before SiLU: no node is shared with the norm and
-    activation entries, so the order in the registry does not change any count."""
+    activation entries, so the order in the registry does not change any count. gemv, which comes after them, takes
+    the one-row GEMMs they leave: its own pattern would match their projections too, which the order settles."""
     graph = record(LLAMA, tmp_path)
     ours = {n for m in horizontal(graph) for n in m.nodes}
-    theirs = {n for f in fusions() if f.KEY not in ("qkv", "gate_up") for m in f.find(graph) for n in m.nodes}
+    theirs = {n for f in fusions() if f.KEY not in ("qkv", "gate_up", "gemv") for m in f.find(graph) for n in m.nodes}
     assert ours and theirs and ours.isdisjoint(theirs)
 
 

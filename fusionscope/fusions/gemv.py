@@ -6,9 +6,10 @@ and their second, summing launch) reads at 62–77% of copy bandwidth in the H20
 kernel reads them at 2.7–4.1 TB/s: 1.05–1.39× cuBLAS on the narrow projections of six families, a wash on the wide
 ones (`reports/gemv/`).
 
-Pattern, on the dataflow: `aten::mm(x, t(W))` or `aten::addmm(b, x, t(W))` — a Linear: W a parameter reaching the
-GEMM through its own `t` — whose activation operand x has one row, in fp32/fp16/bf16 like W; with its output views
-and, after an `mm`, an `aten::add` of a bias parameter. Not matched:
+Pattern, on the dataflow, outside prefill (decode steps, a captured graph): `aten::mm(x, t(W))` or
+`aten::addmm(b, x, t(W))` — a Linear: W a parameter reaching the GEMM through its own `t` — whose activation operand x
+has one row, in fp32/fp16/bf16 like W; with its output views and, after an `mm`, an `aten::add` of a bias parameter.
+Not matched:
 - GEMMs an earlier catalogue entry takes (`dequant_gemm`, `linear_act`'s epilogue, `qkv` and `gate_up`);
 - a weight that is not a Linear's (GPT-2's `Conv1D` hands W as (K, N), which the kernel would read across rows);
 - outputs wider than `WIDEST`: there cuBLAS streams the weight at the copy roof already (0.98–1.01× at 16384–28672
@@ -93,8 +94,10 @@ def find(graph: Graph) -> list[Match]:
         (rows, _k), (_k2, width), dtype = operands
         if rows != 1 or dtype not in DTYPES or width > WIDEST:
             continue
-        chain = _output_chain(graph, gemm)
         phase, step = graph.where(gemm)
+        if phase == "prefill":  # a prompt's one-row GEMM (the LM head on its last position) runs once per prompt
+            continue
+        chain = _output_chain(graph, gemm)
         matches.append(Match(KEY, phase, step, tuple(sorted(chain)), graph.module[gemm],
                              escaping=graph.escaping(set(chain), {chain[-1]})))  # fmt: skip
     return matches
