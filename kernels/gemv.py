@@ -138,13 +138,14 @@ WIDEST = 12288
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `gemv` runs its kernel for these operands (one row of x, at most WIDEST outputs unless a schedule is
-    forced, on a GPU or under the interpreter, a dtype it takes); otherwise it calls F.linear."""
+    forced, on a GPU or under the interpreter, a dtype it takes); otherwise it calls F.linear. Interpreted kernels
+    cannot be traced by torch.compile (a CPU tensor in a compiled graph), so there it is F.linear too."""
     return (
         math.prod(x.shape[:-1]) == 1
         and (weight.shape[0] <= WIDEST or TILES["force"] is not None)
         and x.dtype == weight.dtype
         and x.dtype in _DTYPES
-        and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+        and (x.is_cuda or (os.environ.get("TRITON_INTERPRET") == "1" and not torch.compiler.is_compiling()))
     )
 
 
