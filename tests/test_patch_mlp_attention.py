@@ -51,7 +51,7 @@ CONFIGS = {
 PROMPT = torch.tensor([[5, 17, 99, 3, 64, 8]], device=DEVICE)
 KERNEL_OPS = {"silu_and_mul": "fusionscope.silu_and_mul", "gelu_and_mul": "fusionscope.gelu_and_mul",
               "rope": "fusionscope.rope"}  # fmt: skip
-GEMMS = ("aten.mm", "aten.addmm")
+GEMMS = ("aten.mm", "aten.addmm", "fusionscope.gemv")  # a fused one-row projection runs as the GEMV
 
 
 def build(
