@@ -101,7 +101,10 @@ def _gemv_kernel(
 # wider, 8 columns without (0.98–1.17×; with prefetch the wide ones lost up to 14%). `force` (a schedule) overrides
 # both: the sweep's handle.
 TILES = Tunables(narrow=(4, 512, 4, 1), wide=(8, 512, 4, 0), narrow_max=4608, force=None)
-INTERPRETER = (64, 64, 4, 0)  # the Triton interpreter runs ~1.5 ms per program: few, wide ones
+# The Triton interpreter: as few programs as can be, each a tile at Triton's 2^20-element limit (it pays ~60 ns per
+# loaded element and a fixed cost per program and per step; on SmolLM2's decode this is ~6 s a step against ~55 s with
+# 64 × 64 tiles).
+INTERPRETER = (1024, 1024, 4, 0)
 
 
 def schedule(N: int) -> tuple[int, int, int, int]:
@@ -119,6 +122,7 @@ def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, o
     N, K = weight.shape
     block_n, block_k, num_warps, prefetch = schedule(N)
     block_k = min(block_k, max(16, 1 << (K - 1).bit_length()))
+    block_n = min(block_n, max(16, 1 << (N - 1).bit_length()))
     launchable(_gemv_kernel)[(cdiv(N, block_n),)](
         x, weight, bias if bias is not None else out, out, N, K, x.stride(0), weight.stride(0), weight.stride(1),
         bias.stride(0) if bias is not None else 0, out.stride(0), HAS_BIAS=bias is not None,
