@@ -427,7 +427,11 @@ def test_smollm2_every_patchable_fusion_keeps_real_text_numerics(smollm: tuple[n
     """The patch `apply` makes — every fusion the finder finds in SmolLM2, patched where it found it, the kernels in
     the interpreter — judged on real text against the unpatched model in the same dtype and against fp32, with the
     top-1 rule real weights get (2 × 6 tokens and one decode step: at most 14 positions, so in bf16 one flipped argmax
-    is allowed, none in fp32)."""
+    is allowed, none in fp32).
+
+    The fused reference is the patch's example call, run once every patch is on: the graphs are captured on these
+    inputs, where the default example's (three prefills of a 4-token prompt and a decode step, ~11 s each in the
+    interpreter) would be captured first and these captured again."""
     import fusionscope
 
     model32, ids = smollm
@@ -439,8 +443,11 @@ def test_smollm2_every_patchable_fusion_keeps_real_text_numerics(smollm: tuple[n
             p.data = p.data.to(dtype)
     eager = reference(model, ids, decode_steps=1)
     fp32 = reference(model32, ids, decode_steps=1)
-    with fusionscope.patch(model, ["add_rms_norm", "rms_norm", "silu_and_mul", "rope", "qkv", "gate_up"]) as p:
-        fused = reference(model, ids, decode_steps=1)
+    fused_runs: list[Reference] = []
+    fusions = ["add_rms_norm", "rms_norm", "silu_and_mul", "rope", "qkv", "gate_up"]
+    with fusionscope.patch(model, fusions, example=lambda m: fused_runs.append(reference(m, ids, 1))) as p:
+        assert p.capture == "", p.capture
+    (fused,) = fused_runs
     assert len(p.applied["add_rms_norm"]) == 60 and len(p.applied["qkv"]) == 30, p.skipped
     ok, reason = judge(compare(fused, eager), compare(fused, fp32), compare(eager, fp32), dtype, real_weights=True)
     assert ok, reason

@@ -69,6 +69,13 @@ def prefill_and_decode(
     return out.logits, step.logits, token
 
 
+def decoding(ids: torch.Tensor, token: torch.Tensor) -> Callable[[nn.Module], object]:
+    """`patch`'s example call: the prefill and decode step a test then compares (`prefill_and_decode` of `token`), so
+    that the graphs made when the patch is made are the ones the test runs. The default example's graphs (a 4-token
+    prompt, three prefills and a decode step) are not, and the test's calls would be captured and rewritten again."""
+    return lambda model: prefill_and_decode(model, ids, token)
+
+
 def assert_logits_close(got: torch.Tensor, want: torch.Tensor) -> None:
     """fp32 kernels against eager fp32: 1e-4 of the logits' scale."""
     scale = max(1.0, want.abs().max().item())
@@ -128,7 +135,7 @@ def test_graph_patch_covers_every_bind_site_on_each_family(family: str) -> None:
     assert found, f"the finder found no bindable fusion in {family}"
     ref_prefill, ref_decode, token = prefill_and_decode(model, ids)
 
-    with patch(model) as r:
+    with patch(model, example=decoding(ids, token)) as r:
         assert r.capture == ""
         assert_consistent(r)
         # decode_attention reads a static cache; under the DynamicCache of this run it is skipped, for that reason
@@ -158,10 +165,8 @@ def test_graph_patch_covers_every_bind_site_on_each_family(family: str) -> None:
 def test_every_bind_fusion_including_decode_attention_on_a_static_cache(family: str, calls) -> None:
     """Under transformers' static cache (what `apply --graphs` runs) decode_attention joins the graph patch too: every
     fusion the finder found that can bind is patched at every site, one decode_attention launch per layer and decode
-    step, and the prompt and decode logits are those of the unpatched model on the same cache."""
-    from dataclasses import replace
-
-    from fusionscope import capture
+    step, and the prompt and decode logits are those of the unpatched model on the same cache. The patch's example
+    makes the checked run's calls, so the graphs it captures are the ones the count then runs."""
     from fusionscope.apply import numerics
 
     torch.manual_seed(0)
@@ -174,8 +179,8 @@ def test_every_bind_fusion_including_decode_attention_on_a_static_cache(family: 
     found = BIND & set(sites)
     assert "decode_attention" in found, sites
 
-    def example(_model: nn.Module) -> None:
-        capture.run_sequence(replace(workload, decode_steps=1), lambda _phase, fn: fn())
+    def example(patched: nn.Module) -> None:
+        numerics.reference(patched, ids, 2, cache="static")
 
     where = [{"fusion": f, "module_paths": sites[f]} for f in found]
     slots: list[int] = []  # the dims of each rope_and_cache call's positions: 0, the cache's write counter
@@ -216,7 +221,12 @@ def test_rewritten_llama_graph_calls_the_kernels(calls: collections.Counter) -> 
     ref_prefill, ref_decode, token = prefill_and_decode(model, ids)
     assert sum(calls.values()) == 0  # the unpatched model launches none
 
-    with patch(model) as r:
+    def example(patched: nn.Module) -> None:  # the calls counted below, so that their graphs are captured here
+        with torch.inference_mode():
+            patched(ids)
+        decoding(ids, token)(patched)
+
+    with patch(model, example=example) as r:
         assert set(per_forward) <= set(r.rewritten)
         for phase in ("prefill", "decode"):
             calls.clear()
@@ -250,10 +260,10 @@ def test_neoxs_two_norms_of_one_residual_are_one_launch(calls: collections.Count
     and stay aten's."""
     model, ids = lm("tiny-neox")
     ref_prefill, ref_decode, token = prefill_and_decode(model, ids)
-    with patch(model, ["add_layer_norm"]) as r:
+    with patch(model, ["add_layer_norm"], example=decoding(ids, token)) as r:
         assert r.rewritten == ["add_layer_norm"]
         assert set(r.applied["add_layer_norm"]) == {"gpt_neox.layers.1.input_layernorm", "gpt_neox.final_layer_norm"}
-        prefill, decode, _ = prefill_and_decode(model, ids, token)  # any capture happens here, not profiled below
+        prefill, decode, _ = prefill_and_decode(model, ids, token)  # on the graphs the example captured
         calls.clear()
         with torch.profiler.profile() as prof:
             prefill_and_decode(model, ids, token)
@@ -589,7 +599,7 @@ def test_partial_rotarys_split_and_rejoin_go_with_the_rope(family: str, monkeypa
     ref_prefill, ref_decode, token = prefill_and_decode(model, ids)
     sites = find_sites(model)["rope"]
     layers = len(sites)
-    with patch(model) as r:
+    with patch(model, example=decoding(ids, token)) as r:
         assert set(r.applied["rope"]) == set(sites)
         prefill, decode, _ = prefill_and_decode(model, ids, token)
     assert counts and all(before - after == 4 * layers for before, after in counts), (counts, layers)
@@ -605,7 +615,7 @@ def test_olmo2s_fp32_rotary_tables_in_bf16(calls: collections.Counter) -> None:
     model = model.to(torch.bfloat16)
     sites = find_sites(model)["rope"]
     ref_prefill, ref_decode, token = prefill_and_decode(model, ids)
-    with patch(model, [{"fusion": "rope", "module_paths": sites}]) as r:
+    with patch(model, [{"fusion": "rope", "module_paths": sites}], example=decoding(ids, token)) as r:
         assert r.applied.get("rope") and set(r.applied["rope"]) == set(sites), r.skipped
         calls.clear()
         prefill, decode, _ = prefill_and_decode(model, ids, token)
@@ -645,10 +655,9 @@ def test_olmo2s_norms_in_bf16_dispatch_no_casts(calls: collections.Counter, monk
 
     def casts_per_run() -> tuple[int, tuple[torch.Tensor, torch.Tensor]]:
         torch._dynamo.reset()  # the other binding's graphs must not be reused
-        with patch(model, where) as r:
+        with patch(model, where, example=decoding(ids, token)) as r:  # the captures and rewrites: not counted
             for fusion in ("rms_norm", "add_rms_norm"):
                 assert set(r.applied.get(fusion, [])) == set(sites[fusion]), r.skipped
-            prefill_and_decode(model, ids, token)  # the captures and rewrites happen here, outside the count
             calls.clear()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 prefill, decode, _ = prefill_and_decode(model, ids, token)
@@ -689,10 +698,9 @@ def test_olmo2s_post_norms_take_their_residual_add(dtype: torch.dtype, calls: co
 
     def run() -> tuple[int, collections.Counter, tuple[torch.Tensor, torch.Tensor]]:
         torch._dynamo.reset()  # the other binding's graphs must not be reused
-        with patch(model, where) as r:
+        with patch(model, where, example=decoding(ids, token)) as r:  # the captures and rewrites: not counted
             for fusion in ("rms_norm", "add_rms_norm"):
                 assert set(r.applied.get(fusion, [])) == set(sites[fusion]), r.skipped
-            prefill_and_decode(model, ids, token)  # the captures and rewrites happen here, outside the count
             calls.clear()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 prefill, decode, _ = prefill_and_decode(model, ids, token)
@@ -802,16 +810,22 @@ def test_gpt2s_conv1d_mlp_is_patched_on_the_graph() -> None:
 def test_smollm2_greedy_tokens_are_the_unpatched_models_for_32_tokens(smollm2: tuple) -> None:
     """Real weights (SmolLM2-135M, fp32): with every fusion the finder finds patched — the bindable ones on the
     captured graph, the kernels in the interpreter — greedy decoding of an English prompt picks the same 32 tokens as
-    the unpatched model."""
+    the unpatched model.
+
+    The patched decode is the patch's example call: run while the patch is made, with every patch already on, it
+    captures the graphs it runs on (the prompt's prefill, the first decode step, then decode of any length) once.
+    After the default example (three prefills of a 4-token prompt and a decode step, each ~11 s in the interpreter),
+    this prompt and cache length would be captured again (~30 s a capture)."""
     from fusionscope.apply import numerics
 
     model, tokenizer = smollm2
     ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
     ref = numerics.reference(model, ids, decode_steps=31)
-    with patch(model) as r:
+    decoded: list[numerics.Reference] = []
+    with patch(model, example=lambda m: decoded.append(numerics.reference(m, ids, decode_steps=31))) as r:
         assert r.capture == "" and {"add_rms_norm", "rms_norm", "silu_and_mul", "rope"} <= set(r.rewritten), r
         assert len(r.applied["add_rms_norm"]) == 60  # 30 layers × 2, less the first input norm, plus the final one
-        fused = numerics.reference(model, ids, decode_steps=31)
+    (fused,) = decoded
     assert ref.tokens.shape[1] == 32
     assert torch.equal(fused.tokens, ref.tokens), (tokenizer.decode(fused.tokens[0]), tokenizer.decode(ref.tokens[0]))
 
