@@ -26,6 +26,7 @@ gate_up) go to `F.linear`, whose kernels are what those shapes want.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -101,18 +102,36 @@ def _gemv_kernel(
 # wider, 8 columns without (0.98–1.17×; with prefetch the wide ones lost up to 14%). `force` (a schedule) overrides
 # both: the sweep's handle.
 TILES = Tunables(narrow=(4, 512, 4, 1), wide=(8, 512, 4, 0), narrow_max=4608, force=None)
-# The Triton interpreter: as few programs as can be, each a tile at Triton's 2^20-element limit (it pays ~60 ns per
-# loaded element and a fixed cost per program and per step; on SmolLM2's decode this is ~6 s a step against ~55 s with
-# 64 × 64 tiles).
-INTERPRETER = (1024, 1024, 4, 0)
+# The Triton interpreter's cost of a launch, fitted on 2 CPU cores (SmolLM2's and the tiny models' shapes, 30 tiles
+# each): ~2.4 ms a program, ~1.7 ms a step of the K loop, ~32 ns an element of every tile loaded, masked ones too.
+# `interpreter_tiles` picks the tile that costs least by it: on SmolLM2's o_proj (576 × 576) and down_proj (576 × 1536)
+# 36 and 53 ms a call against 47 and 110 with the largest tile, 1024 × 1024 (which pads 576 to 1024).
+INTERPRETER_COST_MS = {"program": 2.4, "step": 1.7, "element": 32e-6}
+INTERPRETER_MAX_TILE = 1 << 20  # Triton's limit on a block's elements
 
 
-def schedule(N: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, PREFETCH) for N outputs."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return INTERPRETER
+@functools.lru_cache(maxsize=256)
+def interpreter_tiles(N: int, K: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) of least cost under the interpreter (`INTERPRETER_COST_MS`) for an (N, K) weight."""
+    cost = INTERPRETER_COST_MS
+
+    def estimate(block_n: int, block_k: int) -> float:
+        programs, steps = cdiv(N, block_n), cdiv(K, block_k)
+        return (programs * cost["program"] + programs * steps * cost["step"]
+                + programs * steps * block_n * block_k * cost["element"])  # fmt: skip
+
+    sizes_n = [1 << b for b in range(4, max(4, (N - 1).bit_length()) + 1)]
+    sizes_k = [1 << b for b in range(4, max(4, (K - 1).bit_length()) + 1)]
+    tiles = [(n, k) for n in sizes_n for k in sizes_k if n * k <= INTERPRETER_MAX_TILE]
+    return min(tiles, key=lambda t: (estimate(*t), -t[0] * t[1]))
+
+
+def schedule(N: int, K: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, PREFETCH) for an (N, K) weight."""
     if TILES["force"] is not None:
         return TILES["force"]
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return (*interpreter_tiles(N, K), 4, 0)
     narrow = N <= TILES["narrow_max"]  # noqa: SIM300
     return TILES["narrow"] if narrow else TILES["wide"]
 
@@ -120,7 +139,7 @@ def schedule(N: int) -> tuple[int, int, int, int]:
 def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
     """Writes x @ weight.T (+ bias) into out; x: (K,) any stride, weight: (N, K) any strides, out: (N,)."""
     N, K = weight.shape
-    block_n, block_k, num_warps, prefetch = schedule(N)
+    block_n, block_k, num_warps, prefetch = schedule(N, K)
     block_k = min(block_k, max(16, 1 << (K - 1).bit_length()))
     block_n = min(block_n, max(16, 1 << (N - 1).bit_length()))
     launchable(_gemv_kernel)[(cdiv(N, block_n),)](

@@ -790,6 +790,46 @@ def test_a_post_norms_add_is_taken_only_when_safe(form: str, calls: collections.
     assert_logits_close(got, ref)
 
 
+def test_inside_compile_the_gemv_takes_the_linears_qkv_and_gate_up_would_fuse(monkeypatch: pytest.MonkeyPatch) -> None:
+    # qkv and gate_up build a fused weight, which no compiled graph holds: fused + compile rewrites with the gemv
+    # entry at every site, and the finder, asked for gemv alone, leaves q/k/v and gate/up to it (the whole catalogue
+    # gives those GEMMs to qkv and gate_up). tiny-llama's decode step: 7 one-row Linears per layer and the LM head.
+    from fusionscope.apply import rewrite
+
+    model, ids = lm("tiny-llama")
+    ref_prefill, ref_decode, token = prefill_and_decode(model, ids)
+    widths: collections.Counter = collections.Counter()
+    gemv = fusionscope.kernels.gemv
+
+    def counted(x, weight, bias=None):
+        widths[tuple(weight.shape)] += 1
+        return gemv(x, weight, bias)
+
+    monkeypatch.setattr(fusionscope.kernels, "gemv", counted)
+    forward, results = rewrite.compile_fused(model, {"gemv": []}, mode="eager")
+    cache_kw = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    with torch.inference_mode():
+        out = forward(ids, use_cache=True)
+        assert not widths  # a prompt of 8 rows is cuBLAS's
+        decode = forward(token, use_cache=True, **{cache_kw: getattr(out, cache_kw)}).logits
+    assert_logits_close(out.logits, ref_prefill)
+    assert_logits_close(decode, ref_decode)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert len(linears) == 7 * model.config.num_hidden_layers + 1
+    assert widths == collections.Counter(tuple(m.weight.shape) for m in linears), widths  # each once a decode step
+    patched = {path.rsplit(".", 1)[-1] for path, why in results["gemv"].items() if why == ""}
+    assert {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "o_proj", "down_proj"} <= patched, results
+    workload = build_workload(resolve_model("tiny-llama"), torch.device("cpu"), torch.float32, prompt_len=8,
+                              decode_steps=2)  # fmt: skip
+    graph = Graph(dataflow.record_dataflow(workload).assign(op_id=-1))
+
+    def gemv_linears(matches: list) -> set[str]:
+        return {m.anchor_module.rsplit(".", 1)[-1] for m in matches if m.fusion == "gemv"}
+
+    assert {"q_proj", "gate_proj"} <= gemv_linears(find_matches(graph, among={"gemv"}))
+    assert not {"q_proj", "gate_proj"} & gemv_linears(find_matches(graph))  # the catalogue's are qkv's and gate_up's
+
+
 def test_gpt2s_conv1d_mlp_is_patched_on_the_graph() -> None:
     """GPT-2's Conv1D hands its (K, N) weight straight to addmm: linear_act binds it as its transpose."""
     workload = build_workload(resolve_model("gpt2"), torch.device("cpu"), torch.float32, prompt_len=8, decode_steps=1)

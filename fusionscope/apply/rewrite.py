@@ -372,7 +372,7 @@ def rewrite_graph(gm: fx.GraphModule, fakes: tuple[Any, list[Any], list[bool]], 
     graph = Graph(traced.nodes)
     modules = fusion_modules()
     taken: dict[fx.Node, fx.Node | None] = {}
-    matches = [m for m in find_matches(graph) if not m.rejected and m.fusion in sites]
+    matches = [m for m in find_matches(graph, among=sites) if not m.rejected]
     for fusion in modules:  # catalogue order, as the layout patchers
         for match in (m for m in matches if m.fusion == fusion):
             if sites[fusion] and match.anchor_module not in sites[fusion]:
@@ -571,7 +571,8 @@ def _first_line(error: BaseException) -> str:
 def compile_fused(model: nn.Module, sites: dict[str, list[str]], mode: str | None = "reduce-overhead") -> Any:
     """`model.forward` compiled by Inductor after the rewrite of `sites` ({fusion: paths}): the bundled kernels
     inside torch.compile's graph, as `triton_op`s (`mode` as torch.compile's: "reduce-overhead" adds Inductor's CUDA
-    graphs). Returns (compiled forward, results): {fusion: {path: '' or why not}}, filled in as graphs compile."""
+    graphs; "eager" runs the rewritten graph without Inductor, what a CPU test can afford). Returns (compiled
+    forward, results): {fusion: {path: '' or why not}}, filled in as graphs compile."""
     from torch._inductor.compile_fx import compile_fx
 
     # compiled in this process: Inductor's worker processes compile the generated code, which here also holds the
@@ -583,6 +584,6 @@ def compile_fused(model: nn.Module, sites: dict[str, list[str]], mode: str | Non
 
     def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         rewrite_graph(gm, fake_inputs(example_inputs), "", sites, results, type(model).__name__)
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        return gm.forward if mode == "eager" else compile_fx(gm, example_inputs, config_patches=patches)
 
     return torch.compile(model.forward, backend=backend, fullgraph=False, dynamic=False), results

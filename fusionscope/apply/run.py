@@ -38,6 +38,7 @@ from fusionscope.run_folder import Run, command_line, finish_run_folder, load_ru
 BASELINE = "baseline"
 ALL_FOUND = "all found"
 ALL_TOGETHER = "all together"
+WEIGHT_FUSING = ("qkv", "gate_up")  # layout patches that build a fused weight (no `bind`: no graph can hold it)
 # The keys of a workload that an earlier run's predictions must share with this one (`--from`).
 MATCHING_KEYS = ("name", "dtype", "batch", "prompt_len", "decode_steps", "sampling", "cache")
 
@@ -554,6 +555,10 @@ def graph_variants(workload: Any, summary: dict, passing: list[str], enter: Call
         variants[graphs.FUSED_GRAPH] = together
     rewritable = [f for f in together if hasattr(fusion_modules().get(f), "bind")]
     fused_sites = sites_to_patch(summary.get("opportunities", []), rewritable)[0] if rewritable else None
+    if fused_sites and "gemv" in fused_sites and set(together) & set(WEIGHT_FUSING):
+        # qkv and gate_up concatenate weights when patched, which the graph torch.compile compiles cannot hold:
+        # there the GEMV takes every one-row Linear the finder matches on the captured graph, theirs included
+        fused_sites["gemv"] = []
     out = graphs.run_graphs(workload, variants, enter, ref, ref32, eager_raw, real_weights, repeats,
                             summary.get("roofs"), eager_ms, note, fused_sites)  # fmt: skip
     if not each and together:  # say which variants were not measured

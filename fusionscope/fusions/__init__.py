@@ -9,6 +9,7 @@ Importable without triton: kernels are named here, never imported.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Collection
 from types import ModuleType
 
 from fusionscope.fusions.base import Graph, Match
@@ -32,11 +33,15 @@ def fusion_modules() -> dict[str, ModuleType]:
     return {f.KEY: f for f in fusions()}
 
 
-def find_matches(graph: Graph) -> list[Match]:
-    """Every entry's matches; a node belongs to at most one match (entries earlier in the list win)."""
+def find_matches(graph: Graph, among: Collection[str] | None = None) -> list[Match]:
+    """Every entry's matches (`among`: only those entries'); a node belongs to at most one match (entries earlier in
+    the list win). A rewrite passes the fusions it applies: an entry it does not apply leaves its nodes to the
+    others (inside torch.compile, where qkv's fused weight cannot exist, the GEMV takes q/k/v one by one)."""
     taken: set[int] = set()
     found = []
     for fusion in fusions():
+        if among is not None and fusion.KEY not in among:
+            continue
         for match in fusion.find(graph):
             if taken.isdisjoint(match.nodes):
                 taken.update(match.nodes)

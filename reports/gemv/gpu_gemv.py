@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         if best:
             out.log(f"{K:>6}->{N:<6} {where:<40} cuBLAS {base:7.2f} µs {moved / base / 1e3:6.0f} GB/s | best {best} "
                     f"{medians[best]:7.2f} µs {moved / medians[best] / 1e3:6.0f} GB/s ×{base / medians[best]:.3f} | "
-                    f"shipped {label(gemv_module.schedule(N))} "
+                    f"shipped {label(gemv_module.schedule(N, K))} "
                     f"×{base / medians.get('shipped', math.nan):.3f}")  # fmt: skip
         del ws, timers
         torch.cuda.synchronize()

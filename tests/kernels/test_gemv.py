@@ -12,13 +12,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from fusionscope.kernels.gemv import TILES, WIDEST, _gemv_op, gemv, gemv_reference, schedule, takes
+from fusionscope.kernels.gemv import TILES, WIDEST, _gemv_op, gemv, gemv_reference, interpreter_tiles, schedule, takes
 from fusionscope.kernels.tolerances import assert_close
 
 from fusionscope.fusions import gemv as gemv_fusion
 from tests.kernels.conftest import device, poisoned, randn
 
-SHAPES = [(64, 8), (100, 37), (200, 130), (517, 19)]  # (K, N): tails in both, K past one step of the interpreter's 64
+SHAPES = [(64, 8), (100, 37), (200, 130), (517, 19)]  # (K, N): tails in both (several steps of K: the forced test)
 
 
 def _scale(dtype: torch.dtype, K: int) -> float:
@@ -79,13 +79,23 @@ def test_schedules_and_the_finder_agree_on_the_widest_output() -> None:
     """The finder matches exactly the widths the kernel serves; a forced schedule (the sweep's) is used as given."""
     assert gemv_fusion.WIDEST == WIDEST
     if device().type == "cuda":
-        assert schedule(WIDEST) == TILES["wide"] and schedule(64) == TILES["narrow"]
-    TILES["force"] = (2, 32, 1, 1)
-    try:
-        x = randn(1, 70, dtype=torch.float32)
-        weight = randn(9, 70, dtype=torch.float32, scale=70**-0.5)
-        if device().type == "cuda":
-            assert schedule(9) == (2, 32, 1, 1)
-        assert_close(gemv(x, weight), gemv_reference(x, weight))
-    finally:
-        TILES["force"] = None
+        assert schedule(WIDEST, 4096) == TILES["wide"] and schedule(64, 64) == TILES["narrow"]
+    for prefetch in (1, 0):  # several programs and steps of K, each way of loading W
+        TILES["force"] = (2, 32, 1, prefetch)
+        try:
+            x = randn(1, 70, dtype=torch.float32)
+            weight = randn(9, 70, dtype=torch.float32, scale=70**-0.5)
+            assert schedule(9, 70) == (2, 32, 1, prefetch)
+            assert_close(gemv(x, weight), gemv_reference(x, weight))
+        finally:
+            TILES["force"] = None
+
+
+@pytest.mark.parametrize(("N", "K"), [(9, 70), (576, 576), (576, 1536), (1536, 576), (4096, 14336)])
+def test_interpreter_tiles_fit_tritons_block_limit_and_pad_less_than_the_largest(N: int, K: int) -> None:
+    block_n, block_k = interpreter_tiles(N, K)
+    assert block_n * block_k <= 1 << 20 and block_n & (block_n - 1) == 0 and block_k & (block_k - 1) == 0
+    assert 16 <= block_n <= max(16, 1 << (N - 1).bit_length()) and 16 <= block_k <= max(16, 1 << (K - 1).bit_length())
+    padded = math.ceil(N / block_n) * block_n * math.ceil(K / block_k) * block_k
+    largest = math.ceil(N / 1024) * 1024 * math.ceil(K / 1024) * 1024
+    assert padded <= largest
