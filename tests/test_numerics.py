@@ -421,13 +421,14 @@ def test_smollm2_rms_norm_kernel_passes_and_a_wrong_epsilon_fails(smollm: tuple[
     assert not ok and reason.startswith("kl_mean"), reason
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bf16"])
 def test_smollm2_every_patchable_fusion_keeps_real_text_numerics(smollm: tuple[nn.Module, torch.Tensor],
                                                                  dtype: torch.dtype) -> None:  # fmt: skip
     """The patch `apply` makes — every fusion the finder finds in SmolLM2, patched where it found it, the kernels in
     the interpreter — judged on real text against the unpatched model in the same dtype and against fp32, with the
     top-1 rule real weights get (2 × 6 tokens and one decode step: at most 14 positions, so in bf16 one flipped argmax
-    is allowed, none in fp32).
+    is allowed). fp32 is judged by the same rule, with every fusion the finder finds, over 32 greedy tokens:
+    tests/test_rewrite.py's SmolLM2 test.
 
     The fused reference is the patch's example call, run once every patch is on: the graphs are captured on these
     inputs, where the default example's (three prefills of a 4-token prompt and a decode step, ~11 s each in the

@@ -850,7 +850,7 @@ def test_gpt2s_conv1d_mlp_is_patched_on_the_graph() -> None:
 def test_smollm2_greedy_tokens_are_the_unpatched_models_for_32_tokens(smollm2: tuple) -> None:
     """Real weights (SmolLM2-135M, fp32): with every fusion the finder finds patched — the bindable ones on the
     captured graph, the kernels in the interpreter — greedy decoding of an English prompt picks the same 32 tokens as
-    the unpatched model.
+    the unpatched model, and the logits at each of them pass `apply`'s numerics rule against it.
 
     The patched decode is the patch's example call: run while the patch is made, with every patch already on, it
     captures the graphs it runs on (the prompt's prefill, the first decode step, then decode of any length) once.
@@ -868,6 +868,11 @@ def test_smollm2_greedy_tokens_are_the_unpatched_models_for_32_tokens(smollm2: t
     (fused,) = decoded
     assert ref.tokens.shape[1] == 32
     assert torch.equal(fused.tokens, ref.tokens), (tokenizer.decode(fused.tokens[0]), tokenizer.decode(ref.tokens[0]))
+    # the logits of all 32 positions by the rule `apply` judges a fusion with (real weights: top-1 and KL; the model
+    # is fp32, so the unpatched model is also the fp32 reference)
+    fig = numerics.compare(fused, ref)
+    ok, why = numerics.judge(fig, fig, numerics.compare(ref, ref), torch.float32, real_weights=True)
+    assert ok, why
 
 
 def test_a_module_reached_through_a_global_counts_as_the_enclosing_module() -> None:
