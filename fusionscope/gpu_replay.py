@@ -67,6 +67,20 @@ def replay_figures(events: pd.DataFrame) -> dict[str, Any]:
     }
 
 
+def on_the_critical_path(events: pd.DataFrame) -> pd.DataFrame:
+    """`events` (in start order) with each `dur_us` cut to the part no earlier item covers: from the later of its
+    start and the furthest end before it, to its end. Under programmatic dependent launch (`kernels/pdl.py`) a
+    kernel starts while the one before runs and waits for it; its profiled duration then holds that wait, and a
+    per-kernel table summing raw durations would count the overlap twice. Cut so, the durations of one stream add
+    up to its busy time (`busy_us`), and a kernel's time is what the step spends on it."""
+    if events.empty:
+        return events
+    starts = events["ts_us"].to_numpy(dtype=float)
+    ends = starts + events["dur_us"].to_numpy(dtype=float)
+    before = np.r_[-np.inf, np.maximum.accumulate(ends)[:-1]]
+    return events.assign(dur_us=np.clip(ends - np.maximum(starts, before), 0.0, None))
+
+
 def profile_gpu(run: Callable[[], Any], folder: Path) -> pd.DataFrame:
     """The GPU events of one call of `run` under torch.profiler, after a sync on each side."""
     import torch

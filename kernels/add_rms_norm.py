@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 from fusionscope.kernels.dispatch import cdiv, launchable, new_output, run
+from fusionscope.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 from fusionscope.kernels.rms_norm import (
     SOFT_BF16,
     _scale,
@@ -82,7 +83,11 @@ def _add_rms_norm_kernel(
     ONE_BLOCK: tl.constexpr,  # the whole row fits one block: x and the residual are read once
     HAS_OFFSET: tl.constexpr,
     SOFT_BF16: tl.constexpr,  # round to bf16 in software (the interpreter's cast truncates)
+    PDL: tl.constexpr = False,  # `pdl`: wait for the kernel before, then let the next one start
 ):
+    if PDL:  # launched to overlap the kernel before (`pdl`): nothing is read or written before it finishes
+        gdc_wait()
+        gdc_launch_dependents()
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < M
     rows = rows.to(tl.int64)
@@ -152,7 +157,7 @@ def _add_rms_norm_op(
     launchable(_add_rms_norm_kernel)[grid](
         x, residual, weight, out, residual_out, M, M1, M2, N,
         *sx, x.stride(-1), *sr, residual.stride(-1), *so, out.stride(-1), *sq, residual_out.stride(-1),
-        weight.stride(0), eps, offset, HAS_OFFSET=offset != 0.0, SOFT_BF16=SOFT_BF16, **cfg,
+        weight.stride(0), eps, offset, HAS_OFFSET=offset != 0.0, SOFT_BF16=SOFT_BF16, **cfg, **launch_options(out),
     )  # fmt: skip
 
 

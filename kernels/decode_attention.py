@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 from fusionscope.kernels.dispatch import Tunables, cdiv, launchable, pow2, run, sm_count
+from fusionscope.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 from fusionscope.kernels.rounding import round_to
 from torch.library import triton_op
 from triton.runtime.interpreter import InterpretedFunction
@@ -126,7 +127,11 @@ def _decode_attention_kernel(
     PARTIAL: tl.constexpr,  # SPLITS > 1: write partials to the workspace
     UPCAST: tl.constexpr,  # bf16 in the interpreter: fp32 right after each load (its bf16 arithmetic is wrong)
     PRECISION: tl.constexpr,  # tl.dot's input precision: "ieee" for fp32 inputs
+    PDL: tl.constexpr = False,  # `pdl`: wait for the kernel before, then let the next one start
 ):
+    if PDL:  # launched to overlap the kernel before (`pdl`): nothing is read or written before it finishes
+        gdc_wait()
+        gdc_launch_dependents()
     # grid: (B·KVH, SPLITS, head blocks)
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -204,7 +209,11 @@ def _decode_attention_combine_kernel(
     stride_od,
     BLOCK_S: tl.constexpr,  # next power of two ≥ SPLITS
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,  # `pdl`: wait for the kernel before, then let the next one start
 ):
+    if PDL:  # launched to overlap the kernel before (`pdl`): nothing is read or written before it finishes
+        gdc_wait()
+        gdc_launch_dependents()
     # grid: (B·H,); one program merges the SPLITS partials of one head, always in the same reduction order
     pid = tl.program_id(0)
     b = (pid // H).to(tl.int64)
@@ -289,12 +298,13 @@ def _decode_attention_op(
         out.stride(0), out.stride(2), out.stride(3), *ws_strides,
         BLOCK_G=plan.block_g, BLOCK_N=plan.block_n, BLOCK_D=block_d, PARTIAL=partial,
         UPCAST=upcast, PRECISION="ieee" if upcast or q.dtype == torch.float32 else "tf32",
-        num_warps=int(SCHEDULE["num_warps"]), num_stages=int(SCHEDULE["num_stages"]),
+        num_warps=int(SCHEDULE["num_warps"]), num_stages=int(SCHEDULE["num_stages"]), **launch_options(out),
     )  # fmt: skip
     if partial:
         launchable(_decode_attention_combine_kernel)[(b * h,)](
             workspace, out, h, d, workspace.shape[0], *ws_strides, out.stride(0), out.stride(2), out.stride(3),
             BLOCK_S=pow2(workspace.shape[0]), BLOCK_D=block_d, num_warps=4 if block_d >= 128 else 2,
+            **launch_options(out),
         )  # fmt: skip
 
 

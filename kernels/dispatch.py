@@ -302,6 +302,12 @@ class LeanKernel:
 _LEAN_KERNELS: dict[Any, LeanKernel] = {}
 
 
+def eager_launch() -> bool:
+    """Inside a plain eager GPU call, where a launcher's kernels launch through a `LeanKernel` (or are recorded):
+    launch options that Inductor's launcher would not take (`pdl.launch_options`) are safe only here."""
+    return getattr(_eager, "active", False)
+
+
 def launchable(kernel: Any) -> Any:
     """What a launcher indexes with `[grid]`: a `LeanKernel` inside a plain eager GPU call, else `wrap_triton(kernel)`
     (the kernel itself while wrap_triton is switched off, the traceable wrapper under torch.compile)."""

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from fusionscope.kernels.dispatch import Tunables, cdiv, launchable, run
+from fusionscope.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 from fusionscope.kernels.rounding import round_to
 from torch.library import triton_op
 
@@ -65,14 +66,22 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PREFETCH: tl.constexpr,  # load the next tile of W before working on this one
+    PDL: tl.constexpr,  # launched to overlap the kernel before (`pdl`): wait for it before reading x
+    EARLY_W: tl.constexpr,  # under PDL with PREFETCH, W's first tile loads before the wait (no kernel writes W)
 ):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < N
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn  # (BLOCK_N, 1)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if PDL and not (PREFETCH and EARLY_W):
+        gdc_wait()
+        gdc_launch_dependents()
     if PREFETCH:
         w = tl.load(w_rows + rk[None, :] * stride_wk, mask=n_ok[:, None] & (rk < K)[None, :], other=0.0)
+        if PDL and EARLY_W:  # W is a weight that no kernel writes: only x waits for the kernel before
+            gdc_wait()
+            gdc_launch_dependents()
         for k0 in range(0, K, BLOCK_K):
             k = k0 + rk
             ahead = k + BLOCK_K  # past K: masked, no memory traffic
@@ -136,17 +145,21 @@ def schedule(N: int, K: int) -> tuple[int, int, int, int]:
     return TILES["narrow"] if narrow else TILES["wide"]
 
 
-def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
-    """Writes x @ weight.T (+ bias) into out; x: (K,) any stride, weight: (N, K) any strides, out: (N,)."""
+def _gemv_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, constant_weight: bool
+) -> None:
+    """Writes x @ weight.T (+ bias) into out; x: (K,) any stride, weight: (N, K) any strides, out: (N,).
+    `constant_weight`: no kernel writes the weight (a Parameter), so under PDL its first tile loads before the wait."""
     N, K = weight.shape
     block_n, block_k, num_warps, prefetch = schedule(N, K)
     block_k = min(block_k, max(16, 1 << (K - 1).bit_length()))
     block_n = min(block_n, max(16, 1 << (N - 1).bit_length()))
+    pdl = launch_options(out)
     launchable(_gemv_kernel)[(cdiv(N, block_n),)](
         x, weight, bias if bias is not None else out, out, N, K, x.stride(0), weight.stride(0), weight.stride(1),
         bias.stride(0) if bias is not None else 0, out.stride(0), HAS_BIAS=bias is not None,
         UPCAST=os.environ.get("TRITON_INTERPRET") == "1" and out.dtype == torch.bfloat16, BLOCK_N=block_n,
-        BLOCK_K=block_k, PREFETCH=prefetch, num_warps=num_warps,
+        BLOCK_K=block_k, PREFETCH=prefetch, EARLY_W=constant_weight and pdl["PDL"], num_warps=num_warps, **pdl,
     )  # fmt: skip
 
 
@@ -184,5 +197,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if bias is not None and (bias.shape != (N,) or bias.dtype != x.dtype):
         raise ValueError(f"gemv: bias must be ({N},) {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
     out = x.new_empty((*x.shape[:-1], N))
-    run("gemv", _gemv_op, x.reshape(K), weight, bias, out.view(N))
+    # a Parameter is a weight no kernel of the step writes (`_gemv_op`); compiled launches take no PDL (`pdl`)
+    constant = not torch.compiler.is_compiling() and type(weight) is torch.nn.Parameter
+    run("gemv", _gemv_op, x.reshape(K), weight, bias, out.view(N), constant)
     return out

@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 from fusionscope.kernels.dispatch import Tunables, cdiv, launchable, new_output, pow2, run
+from fusionscope.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 from torch.library import triton_op
 from triton.runtime.interpreter import InterpretedFunction
 
@@ -158,7 +159,11 @@ def _rms_norm_kernel(
     EVICT_X: tl.constexpr = "",  # cache hint for the loads of x ("", "evict_first", "evict_last"): tune_norms.py
     WEIGHT_IN_FP32: tl.constexpr = False,  # OLMo-2: w·x̂ in fp32, rounded once at the store (offset 0 only)
     HAS_RESIDUAL: tl.constexpr = False,  # store residual + round(norm), the sum rounded once more (a post-norm's add)
+    PDL: tl.constexpr = False,  # `pdl`: wait for the kernel before, then let the next one start
 ):
+    if PDL:  # launched to overlap the kernel before (`pdl`): nothing is read or written before it finishes
+        gdc_wait()
+        gdc_launch_dependents()
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < M
     rows = rows.to(tl.int64)
@@ -304,7 +309,7 @@ def _rms_norm_op(
     launchable(_rms_norm_kernel)[grid](
         x, weight, out, r, M, M1, M2, N, *sx, x.stride(-1), *so, out.stride(-1), *sr, r.stride(-1), weight.stride(0),
         eps, offset, HAS_OFFSET=offset != 0.0, SOFT_BF16=SOFT_BF16, WEIGHT_IN_FP32=weight_in_fp32 and offset == 0.0,
-        HAS_RESIDUAL=residual is not None, **cfg,
+        HAS_RESIDUAL=residual is not None, **cfg, **launch_options(out),
     )  # fmt: skip
 
 

@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 from fusionscope.kernels.dispatch import cdiv, launchable, new_output, pow2, run
+from fusionscope.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 from fusionscope.kernels.rounding import round_to
 from torch.library import triton_op
 from triton.language.extra import libdevice
@@ -239,7 +240,11 @@ def _rope_kernel(
     HAS_PASS: tl.constexpr,
     MUL_RN: tl.constexpr,  # True when compiled for CUDA (see _mul)
     WIDE: tl.constexpr,  # fp32 cos/sin with fp16/bf16 q and k (see _rotate_heads)
+    PDL: tl.constexpr = False,  # `pdl`: wait for the kernel before, then let the next one start
 ):
+    if PDL:  # launched to overlap the kernel before (`pdl`): nothing is read or written before it finishes
+        gdc_wait()
+        gdc_launch_dependents()
     # grid: (B·S tokens, head blocks of q then of k)
     tok = tl.program_id(0)
     hb = tl.program_id(1)
@@ -323,7 +328,11 @@ def _rope_and_cache_kernel(
     BLOCK_D: tl.constexpr,
     FROM_START: tl.constexpr,  # pos_ptr holds the first token's slot; token s goes to slot + s (a slot outside
     # [0, S_MAX) is not written, either way)
+    PDL: tl.constexpr = False,  # `pdl`: wait for the kernel before, then let the next one start
 ):
+    if PDL:  # launched to overlap the kernel before (`pdl`): nothing is read or written before it finishes
+        gdc_wait()
+        gdc_launch_dependents()
     tok = tl.program_id(0)
     hb = tl.program_id(1)
     b = (tok // S).to(tl.int64)
@@ -397,7 +406,7 @@ def _rope_op(
         q, k, cos, sin, q_out, k_out,
         s, hq, hk, dr // 2, d - dr, n_qblocks,
         *q.stride(), *k.stride(), *_cos_sin_strides(cos), *_cos_sin_strides(sin), *q_out.stride(), *k_out.stride(),
-        **meta, num_warps=_num_warps(meta["BLOCK_H"], meta["BLOCK_HALF"]),
+        **meta, num_warps=_num_warps(meta["BLOCK_H"], meta["BLOCK_HALF"]), **launch_options(q_out),
     )  # fmt: skip
 
 
@@ -430,6 +439,7 @@ def _rope_and_cache_op(
         positions.stride(0) if positions.dim() else 0, *q_out.stride(), *k_cache.stride(), *v_cache.stride(),
         **meta, BLOCK_D=pow2(d), FROM_START=positions.dim() == 0, num_warps=_num_warps(meta["BLOCK_H"],
                                                                                       meta["BLOCK_HALF"]),
+        **launch_options(q_out),
     )  # fmt: skip
 
 

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 from fusionscope.kernels.dispatch import Tunables, cdiv, launchable, new_output, pow2, run
+from fusionscope.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 from fusionscope.kernels.rounding import round_to
 from torch.library import triton_op
 
@@ -61,7 +62,11 @@ def _silu_and_mul_kernel(
     stride_o1,
     stride_on,
     BLOCK: tl.constexpr,  # columns per program
+    PDL: tl.constexpr = False,  # `pdl`: wait for the kernel before, then let the next one start
 ):
+    if PDL:  # launched to overlap the kernel before (`pdl`): nothing is read or written before it finishes
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)  # int64: rows × row stride can pass 2³¹ elements
     r0 = row // R1
     r1 = row % R1
@@ -76,8 +81,11 @@ def _silu_and_mul_kernel(
 
 
 @triton.jit
-def _silu_and_mul_flat_kernel(gate_ptr, up_ptr, out_ptr, numel, BLOCK: tl.constexpr):
+def _silu_and_mul_flat_kernel(gate_ptr, up_ptr, out_ptr, numel, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """The same arithmetic over `numel` contiguous elements, BLOCK per program."""
+    if PDL:  # launched to overlap the kernel before (`pdl`): nothing is read or written before it finishes
+        gdc_wait()
+        gdc_launch_dependents()
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -137,13 +145,15 @@ def _silu_and_mul_op(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) ->
         block = FLAT["BLOCK"]
         grid = (cdiv(out.numel(), block),)
         launchable(_silu_and_mul_flat_kernel)[grid](gate, up, out, out.numel(), BLOCK=block,
-                                                    num_warps=FLAT["num_warps"])  # fmt: skip
+                                                    num_warps=FLAT["num_warps"], **launch_options(out))  # fmt: skip
         return
     r0, r1, (sg, su, so) = _row_dims(gate, up, out)
     n = out.shape[-1]
     block, num_warps = _launch(n)
     grid = (r0 * r1, cdiv(n, block))
-    launchable(_silu_and_mul_kernel)[grid](gate, up, out, r1, n, *sg, *su, *so, BLOCK=block, num_warps=num_warps)
+    launchable(_silu_and_mul_kernel)[grid](
+        gate, up, out, r1, n, *sg, *su, *so, BLOCK=block, num_warps=num_warps, **launch_options(out)
+    )
 
 
 triton_op("fusionscope::silu_and_mul", mutates_args={"out"})(_silu_and_mul_op)

@@ -29,6 +29,21 @@ def test_replay_figures_count_kernels_and_the_idle_time_between_them() -> None:
     assert replay.replay_figures(events([]))["kernels"] == 0
 
 
+def test_kernels_started_early_count_only_their_time_past_the_kernel_before() -> None:
+    """Under programmatic dependent launch a kernel starts while the one before runs and waits inside it: the
+    per-kernel figures keep only what no earlier item covers, so they add up to the busy time."""
+    from fusionscope.gpu_replay import busy_us, on_the_critical_path
+
+    rows = [("gemv", "kernel", 0.0, 20.0), ("norm", "kernel", 5.0, 17.0), ("mm", "kernel", 22.0, 30.0),
+            ("silu", "kernel", 40.0, 14.0), ("late", "kernel", 60.0, 3.0)]  # fmt: skip
+    cut = on_the_critical_path(events(rows))
+    assert cut["dur_us"].tolist() == pytest.approx([20.0, 2.0, 30.0, 2.0, 3.0])
+    starts = events(rows)["ts_us"].to_numpy()
+    ends = starts + events(rows)["dur_us"].to_numpy()
+    assert cut["dur_us"].sum() == pytest.approx(busy_us(starts, ends))
+    assert on_the_critical_path(events([])).empty
+
+
 def test_gpu_events_reads_kernels_copies_and_memsets_in_start_order(tmp_path) -> None:
     doc = {"traceEvents": [
         {"ph": "X", "cat": "kernel", "name": "late", "ts": 50, "dur": 3},

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from fusionscope.gpu_replay import GPU_CATS, gpu_events, profile_gpu, replay_figures
+from fusionscope.gpu_replay import GPU_CATS, gpu_events, on_the_critical_path, profile_gpu, replay_figures
 from fusionscope.roofline import classify_against
 
 __all__ = ["GPU_CATS", "TOP_ROWS", "aligned", "breakdown", "by_kernel", "gpu_events", "profile_eager_kernels",
@@ -160,6 +160,7 @@ def replay_profile(replay: Callable[[], Any], eager: Callable[[], Any] | None, m
         folder = Path(tmp)
         events = profile_gpu(replay, folder)
         out = replay_figures(events)
+        events = on_the_critical_path(events)  # per-kernel µs without the overlap PDL's early starts add
         if eager is not None:
             table = aligned(profile_eager_kernels(eager, model, folder, roofs), events)
             out["breakdown"] = breakdown(table, roofs)

@@ -46,7 +46,7 @@ def test_gemv_reads_strided_operands_into_a_poisoned_output(K: int, N: int, dtyp
     bias = randn(N, dtype=dtype, strided=True)
     assert not weight.is_contiguous() and weight.stride() == (2 * (K + 5), 1)
     out = poisoned((N,), dtype)
-    _gemv_op(x.reshape(K), weight, bias, out)
+    _gemv_op(x.reshape(K), weight, bias, out, False)
     assert not out.isnan().any()
     assert_close(out, gemv_reference(x, weight, bias).reshape(N), scale=_scale(dtype, K))
     transposed = randn(K, N, dtype=dtype, scale=K**-0.5).t()  # W read across its rows: stride (1, N)
