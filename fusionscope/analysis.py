@@ -87,24 +87,35 @@ def _op_costs(ops: pd.DataFrame) -> pd.DataFrame:
     dtypes = pd.Series([roofline.op_dtype(_as_list(t)) for t in ops["input_type"].head(5000)]).dropna()
     default = dtypes.mode().iat[0] if len(dtypes) else "float32"
     cache: dict[tuple, tuple] = {}
-    by_identity: dict[tuple, tuple] = {}  # the same argument objects (a trace decoded by `trace_events` shares them)
+    codes, first = _distinct_arguments(ops)
     rows = []
-    columns = (ops[c].tolist() for c in ("name", "input_dims", "input_type", "concrete_inputs"))
-    for name, dims, types, concrete in zip(*columns):
-        identity = (name, id(dims), id(types), id(concrete))  # the lists stay alive in `ops` while this runs
-        row = by_identity.get(identity)
-        if row is None:
-            key = (name, repr(dims), repr(types), repr(concrete))
-            if key not in cache:
-                cost = roofline.op_cost(name, _as_list(dims), _as_list(types), _as_list(concrete),
-                                        default_dtype=default)  # fmt: skip
-                dtype = roofline.op_dtype(_as_list(types))
-                cache[key] = (
-                    (np.nan, np.nan, None, dtype) if cost is None else (cost.flops, cost.bytes, cost.category, dtype)
-                )
-            row = by_identity[identity] = cache[key]
-        rows.append(row)
-    return pd.DataFrame(rows, columns=["flops", "bytes", "category", "dtype"], index=ops["op_id"].to_numpy())
+    listed = [ops[c].to_numpy()[first].tolist() for c in ("name", "input_dims", "input_type", "concrete_inputs")]
+    for name, dims, types, concrete in zip(*listed):
+        key = (name, repr(dims), repr(types), repr(concrete))
+        if key not in cache:
+            cost = roofline.op_cost(name, _as_list(dims), _as_list(types), _as_list(concrete), default_dtype=default)
+            dtype = roofline.op_dtype(_as_list(types))
+            cache[key] = (
+                (np.nan, np.nan, None, dtype) if cost is None else (cost.flops, cost.bytes, cost.category, dtype)
+            )
+        rows.append(cache[key])
+    distinct = pd.DataFrame(rows, columns=["flops", "bytes", "category", "dtype"])
+    return distinct.take(codes).set_axis(ops["op_id"].to_numpy())
+
+
+def _distinct_arguments(ops: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Each op's code among the distinct (name, shapes, types, scalars) objects, by identity (a trace decoded by
+    `trace_events` shares equal argument lists, so they are few), and the row of each one's first occurrence: the
+    costs are computed per distinct combination, not in a Python loop over every op (0.66 s at 439k ops)."""
+    from fusionscope.trace_events import distinct_objects
+
+    combined = np.zeros(len(ops), dtype=np.int64)
+    for column in ("name", "input_dims", "input_type", "concrete_inputs"):
+        part, part_first = distinct_objects(ops[column].tolist())
+        combined, _uniques = pd.factorize(combined * len(part_first) + part)  # stays below ops² < 2**63
+    first = np.empty(combined.max() + 1 if len(combined) else 0, dtype=np.int64)
+    first[combined[::-1]] = np.arange(len(combined) - 1, -1, -1)
+    return combined, first
 
 
 def _as_list(value: object) -> list:

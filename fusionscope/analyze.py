@@ -19,7 +19,6 @@ import dataclasses
 import gc
 import gzip
 import json
-import queue
 import shutil
 import tempfile
 import time
@@ -35,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from fusionscope import analysis, datasheets, merged_ranks, ranks, roofline, trace_events
+from fusionscope import analysis, datasheets, merged_ranks, ranks, roofline, trace_events, trace_pool
 from fusionscope.errors import UsageError
 from fusionscope.markers import MODULE_PREFIX
 from fusionscope.run_folder import (
@@ -47,8 +46,9 @@ from fusionscope.run_folder import (
     finish_run_folder,
     staged_dir,
 )
-from fusionscope.table_writer import distinct_objects, tables_beside
+from fusionscope.table_writer import tables_beside
 from fusionscope.trace import GPU_CATS, Timeline
+from fusionscope.trace_events import distinct_objects
 from fusionscope.trace_fields import to_int
 
 TRACE_PHASE = "trace"  # the one phase of a trace without fusionscope.phase ranges
@@ -284,19 +284,20 @@ def read_bytes(path: Path) -> bytes:
         raise UsageError(f"cannot read {path}: truncated or damaged gzip ({exc})") from None
 
 
-def parse_trace(path: Path, while_reading: Callable[[], object] | None = None,
+def parse_trace(path: Path, while_reading: Callable[[], object] | None = None, pooled: bool = True,
                 ) -> tuple[TraceFacts, trace_events.TraceDocument]:  # fmt: skip
     """`read_trace`, also returning the decoded trace document (`trace_events.decode`: its events as columns).
     `while_reading` runs while another thread reads and inflates the file (zlib releases the GIL), on the other
-    core; a gzipped file's events are then decoded as its text inflates (`_streamed`): at a million events each
-    takes most of a second."""
+    core; a gzipped file's events are then decoded as its text inflates (`trace_pool.read_document`; by worker
+    processes for a large one where `pooled`, and then the document holds the columns the join takes, not the
+    events)."""
     if not path.exists():
         raise UsageError(f"trace not found: {path}")
     if path.is_dir():
         raise UsageError(f"{path} is a folder: pass it to analyze() as a folder of per-rank traces")
     if not path.name.endswith((".json", ".json.gz")):
         raise UsageError(f"{path} is not a .json or .json.gz trace file")
-    doc = _streamed(path, while_reading) if path.name.endswith(".gz") else None
+    doc = trace_pool.read_document(path, while_reading, pooled) if path.name.endswith(".gz") else None
     if doc is None:  # read whole, then decoded
         with ThreadPoolExecutor(max_workers=1) as pool:
             reading = pool.submit(read_bytes, path)
@@ -308,11 +309,9 @@ def parse_trace(path: Path, while_reading: Callable[[], object] | None = None,
     events = doc.events
     if events is None:
         raise UsageError(f"{path} is not a torch.profiler trace (no traceEvents)")
-    complete = events.ph == "X"
-    if not (complete & events.cats.isin(EVENT_CATS)).any():
+    if not (events.complete() & events.cats.isin(EVENT_CATS)).any():
         raise UsageError(f"{path} holds no profiled ops or kernels (an empty trace)")
-    kernels = np.flatnonzero(complete & events.cats.isin(("kernel",)))
-    used = events.arg_columns(["device"], kernels)["device"].tolist()
+    used = events.kernel_devices()
     cats = set(events.cats.uniques.tolist())
     facts = TraceFacts(path=path, gpu_name=_gpu_name(doc.device_properties, used),
                        device_kind="cuda" if cats & set(GPU_CATS) else "cpu",
@@ -327,47 +326,6 @@ def _decoded(path: Path, decode: Callable[[], trace_events.TraceDocument]) -> tr
             return decode()
     except ValueError:  # JSONDecodeError and UnicodeDecodeError
         raise UsageError(f"{path} is not JSON") from None
-
-
-def _streamed(path: Path, while_reading: Callable[[], object] | None) -> trace_events.TraceDocument | None:
-    """The gzipped trace decoded as another thread inflates it (`inflate`, `trace_events.StreamedDecode`): at a
-    million events inflating takes most of a second, and so does decoding, which now runs beside it instead of
-    after. None where the file cannot be inflated: the caller reads it whole and says why."""
-    chunks: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        reading = pool.submit(inflate, path, chunks.put)
-        if while_reading is not None:
-            while_reading()
-        decoder = trace_events.StreamedDecode()
-        with collector_paused():
-            while (chunk := chunks.get()) is not None:
-                decoder.feed(chunk)
-        if reading.exception() is not None:
-            return None
-    return _decoded(path, decoder.finish)
-
-
-INFLATED_CHUNK = 1 << 22  # bytes of text handed over at a time
-
-
-def inflate(path: Path, put: Callable[[bytes | None], object], chunk: int = INFLATED_CHUNK) -> None:
-    """Inflate the gzipped file and `put` its text chunk by chunk, then None (also when it fails). The bytes of
-    `gzip.decompress` (every member, zero padding between members skipped), which zlib checks as it goes (each
-    member's CRC and length); a damaged or truncated file raises (zlib's error, or EOFError)."""
-    try:
-        data = path.read_bytes()
-        while data:
-            member = zlib.decompressobj(16 + zlib.MAX_WBITS)  # a gzip member
-            while not member.eof:
-                text = member.decompress(data, chunk)
-                data = member.unconsumed_tail
-                if text:
-                    put(text)
-                elif not data:
-                    raise EOFError("compressed file ended before the end-of-stream marker was reached")
-            data = member.unused_data.lstrip(b"\x00")
-    finally:
-        put(None)
 
 
 @contextmanager
@@ -398,11 +356,18 @@ def _gpu_name(properties: object, devices: list) -> str | None:
     `deviceProperties[].id`); the first listed device when kernels carry no id; None for a CPU-only trace."""
     listed = properties if isinstance(properties, list) else []
     named = [p for p in listed if isinstance(p, dict) and p.get("name")]
-    used = Counter(None if d is None else to_int(d) for d in devices)  # ROCm writes ids as hex strings: "0x0"
+    used = Counter()  # ROCm writes ids as hex strings: "0x0"; each distinct value read once
+    for value, count in Counter(map(_hashable, devices)).items():
+        used[None if value is None else to_int(value)] += count
     if not named or not used:
         return None
     by_id = {to_int(p.get("id")): str(p["name"]) for p in named}
     return next((by_id[d] for d, _ in used.most_common() if d in by_id), str(named[0]["name"]))
+
+
+def _hashable(value: object) -> object:
+    """A device argument as a Counter key: a list or dict (no id a number reads) as its repr."""
+    return repr(value) if isinstance(value, list | dict) else value
 
 
 def trace_name(path: Path) -> str:
@@ -727,7 +692,7 @@ def rank_files(paths: str | Path | list[str | Path]) -> list[Path]:
 
 def read_rank(path: Path) -> RankTrace:
     """A rank's file checked as a single trace is, its rank (`distributedInfo.rank`, 0 without one) and intervals."""
-    facts, doc = parse_trace(path)
+    facts, doc = parse_trace(path, pooled=False)  # the rank's intervals read every event (`EventColumns.dicts`)
     info = doc.distributed_info
     given = info.get("rank", 0) if isinstance(info, dict) else 0
     rank = to_int(given, -1) if not isinstance(given, bool) else -1

@@ -74,7 +74,7 @@ def profile_stages(settings: Settings, spec: Any, dev: Any, torch_dtype: Any, tm
     """Build, capture, analyse and estimate into the staged folder `tmp` (trace and tables written, summary returned;
     summary.json and the report are written by `finish_run_folder`). `build` stands in for `models.build_workload`
     (same arguments): a tensor-parallel rank builds its shard of the model."""
-    from fusionscope import analysis, capture, dataflow, micro, models, opportunities, trace_events
+    from fusionscope import analysis, capture, dataflow, micro, models, opportunities, trace_pool
     from fusionscope.device import get_ceilings, software_versions
     from fusionscope.fusions import Graph, find_matches
 
@@ -117,7 +117,7 @@ def profile_stages(settings: Settings, spec: Any, dev: Any, torch_dtype: Any, tm
         del workload
         workload = None
     note("loading the trace and joining kernels to ops and modules")
-    timeline = trace_events.load_timeline(Path(cap.trace_path))
+    timeline = trace_pool.load_timeline(Path(cap.trace_path))
     note("costing and classifying kernels")
     kernels = analysis.kernel_table(timeline)
     kernels = analysis.classify(kernels, ceilings.copy_gbps, ceilings.peak_tflops())

@@ -30,15 +30,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-
-def distinct_objects(listed: list) -> tuple[np.ndarray, np.ndarray]:
-    """Each value's code among the distinct objects (by identity, whatever they hold: lists too), and the place of
-    each one's first occurrence: what is computed per object is then computed once."""
-    ids = np.fromiter(map(id, listed), dtype=np.int64, count=len(listed))
-    codes, uniques = pd.factorize(ids)
-    first = np.empty(len(uniques), dtype=np.int64)
-    first[codes[::-1]] = np.arange(len(listed) - 1, -1, -1)
-    return codes, first
+from fusionscope.trace_events import distinct_objects
 
 
 def write_tables(folder: Path, kernels: pd.DataFrame, ops: pd.DataFrame) -> None:

@@ -23,8 +23,6 @@ strings, numbers as strings, missing values; a time no number reads drops the ev
 
 from __future__ import annotations
 
-import gc
-import gzip
 import json
 import re
 from collections.abc import Sequence
@@ -32,14 +30,13 @@ from dataclasses import dataclass
 from functools import cached_property
 from itertools import repeat
 from operator import attrgetter, is_, is_not
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from fusionscope import trace
-from fusionscope.trace_fields import INT64_MIN, float_array, int_array, to_int
+from fusionscope.trace_fields import INT64_MIN, float_array, int_array
 
 try:  # optional: a typed decoder about 5x faster than `json` on traces; everything works without it
     import msgspec
@@ -105,11 +102,30 @@ class EventColumns:
                 out[c] = _shared(values) if c in LIST_ARGS else _objects(values)
         return {c: out[c] for c in columns}
 
+    def complete(self) -> np.ndarray:
+        """Which events are complete ones (`ph` "X")."""
+        return self.ph == "X"
+
+    def kernel_devices(self) -> list:
+        """The `device` argument of every complete kernel event, in file order (None where one has none)."""
+        kernels = np.flatnonzero(self.complete() & self.cats.isin(("kernel",)))
+        return self.arg_columns(["device"], kernels)["device"].tolist()
+
     def dicts(self) -> list[dict]:
         """The events as dicts of their top-level fields (those not None), for code written over decoded JSON."""
         fields = (self.ph, self.cat, self.name, self.tid, self.ts, self.dur)
         return [{k: v for k, v in zip(EVENT_FIELDS, values) if v is not None}
                 for values in zip(*(f.tolist() for f in fields))]  # fmt: skip
+
+
+def distinct_objects(listed: list) -> tuple[np.ndarray, np.ndarray]:
+    """Each value's code among the distinct objects (by identity, whatever they hold: lists too), and the place of
+    each one's first occurrence: what is computed per object is then computed once."""
+    ids = np.fromiter(map(id, listed), dtype=np.int64, count=len(listed))
+    codes, uniques = pd.factorize(ids)
+    first = np.empty(len(uniques), dtype=np.int64)
+    first[codes[::-1]] = np.arange(len(listed) - 1, -1, -1)
+    return codes, first
 
 
 def _objects(values: Sequence) -> np.ndarray:
@@ -124,7 +140,7 @@ class TraceDocument:
 
     device_properties: object
     distributed_info: object
-    events: EventColumns | None
+    events: EventColumns | PooledEvents | None
 
 
 def decode(raw: bytes) -> TraceDocument:
@@ -233,26 +249,38 @@ class StreamedDecode:
         if cut < 0:
             self.rest.append(chunk)
             return
-        piece = b"".join([b"[", *self.rest, memoryview(chunk)[:cut], b"]"])
-        try:
-            events = _events_decoder().decode(piece)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        if not self._take([b"[", *self.rest, memoryview(chunk)[:cut], b"]"]):
             self.rest.append(chunk)
             self.whole = True
             return
+        self.rest = [chunk[cut + 1 :]]  # after the `,`
+
+    def _take(self, parts: list[bytes | memoryview]) -> bool:
+        """Decode a piece (its text in parts: `[` + whole events + `]`) into columns and keep its text; False where
+        it is no list of events."""
+        piece = b"".join(parts)
+        try:
+            events = _events_decoder().decode(piece)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return False
         self.columns.append(_struct_columns(events))
         self.pieces.append(piece)
-        self.rest = [chunk[cut + 1 :]]  # after the `,`
+        return True
+
+    def _piece_texts(self) -> list[bytes]:
+        """The text of each piece taken, in order."""
+        return self.pieces
 
     def finish(self) -> TraceDocument:
         """The document of the whole text fed, equal to `decode` of it."""
         doc = None if self.whole or self.head is None else self._end()
-        if doc is not None:
+        if doc is not None and doc.events is not None:
             return doc
         parts: list[bytes | memoryview] = [] if self.head is None else [self.head]
-        for k, piece in enumerate(self.pieces):
+        texts = self._piece_texts()
+        for k, piece in enumerate(texts):
             parts += [b","] * (k > 0) + [memoryview(piece)[1:-1]]
-        parts += [b","] * bool(self.pieces) + self.rest
+        parts += [b","] * bool(texts) + self.rest
         text = b"".join(parts)
         self.pieces, self.columns, self.rest = [], [], []
         return decode(text)
@@ -277,10 +305,14 @@ class StreamedDecode:
                 continue
             if doc.traceEvents:
                 return None
-            columns = [*self.columns, _struct_columns(events)]
-            joined = [np.concatenate(parts) for parts in zip(*columns, strict=True)]
-            return TraceDocument(doc.deviceProperties, doc.distributedInfo, EventColumns(*joined, structs=True))
+            return TraceDocument(doc.deviceProperties, doc.distributedInfo, self._joined(events))
         return None
+
+    def _joined(self, last: list) -> EventColumns | PooledEvents | None:
+        """The columns of every piece and of the `last` events (msgspec's structs); None where they cannot be had
+        (a subclass's pieces decoded elsewhere), and `finish` then decodes the whole text."""
+        columns = [*self.columns, _struct_columns(last)]
+        return EventColumns(*(np.concatenate(parts) for parts in zip(*columns, strict=True)), structs=True)
 
 
 def _last_gap(chunk: bytes) -> int:
@@ -333,17 +365,6 @@ def _interned(values: np.ndarray) -> tuple[np.ndarray, trace.Labels]:
     return labels.uniques[labels.codes], labels
 
 
-def _tids(values: np.ndarray) -> np.ndarray:
-    """Thread ids as ints (`trace_fields.to_int`: hex strings too); a tid no integer reads (a name, or none) gets
-    one id of its own per distinct value, below -1, so that events of one such thread stay one thread."""
-    tids = int_array(values, INT64_MIN)
-    unread = tids == INT64_MIN
-    if unread.any():
-        codes, _uniques = pd.factorize(_objects([repr(v) for v in values[unread].tolist()]))
-        tids[unread] = -2 - codes
-    return tids
-
-
 def events_frame(events: EventColumns | list) -> pd.DataFrame:
     """HTA's event frame of a trace's `traceEvents` (names and categories as strings, not symbol ids): one row per
     event with `dur` and a category other than `Trace`, each argument read where a table reads it and HTA's default
@@ -356,17 +377,72 @@ def event_columns(events: EventColumns | list) -> dict[str, np.ndarray]:
     return _event_columns(events)[0]
 
 
-def _event_columns(events: EventColumns | list) -> tuple[dict[str, np.ndarray], tuple[trace.Labels, trace.Labels]]:
+def _event_columns(events: EventColumns | PooledEvents | list,
+                   ) -> tuple[dict[str, np.ndarray], tuple[trace.Labels, trace.Labels]]:  # fmt: skip
     """`event_columns`, and the `trace.Labels` of names and categories."""
-    cols = events if isinstance(events, EventColumns) else EventColumns.from_dicts(events)
+    if isinstance(events, PooledEvents):
+        return _finished(events.part)
+    return _finished(columns_of(events if isinstance(events, EventColumns) else EventColumns.from_dicts(events)))
+
+
+@dataclass
+class ColumnsPart:
+    """`event_columns` of some of a trace's events, but for the two steps that need all of them (`_finished`):
+    timestamps from the earliest event, and the ids of threads that no integer names. A part per piece of the text
+    is what a worker process sends back (`trace_pool`), and `concat` makes them one, equal to the whole's."""
+
+    columns: dict[str, np.ndarray]  # `index` counts from the part's first event; `ts` as the trace gives it
+    names: trace.Labels
+    cats: trace.Labels
+    unread_tids: np.ndarray  # the `tid` values no integer reads, in row order; their rows hold INT64_MIN
+    cats_by_value: bool  # `cats` factorized from the rows' values (`_interned_cats`' slow way), not taken from all
+
+    @classmethod
+    def concat(cls, parts: Sequence[ColumnsPart], firsts: Sequence[int], every_cat: trace.Labels) -> ColumnsPart:
+        """One part of consecutive parts, `firsts` the index of each one's first event in the whole; `every_cat`
+        the Labels of every event's category in the whole, which `_interned_cats` takes the rows' from."""
+        columns = {key: np.concatenate([p.columns[key] + first for p, first in zip(parts, firsts, strict=True)]
+                                       if key == "index" else [p.columns[key] for p in parts])
+                   for key in parts[0].columns}  # fmt: skip
+        by_value = any(p.cats_by_value for p in parts)
+        cats = trace.Labels.of(columns["cat"]) if by_value else every_cat.take(columns["index"])
+        names = merged_labels([p.names for p in parts])
+        for column, labels, interned in (("name", names, _all_text(names)), ("cat", cats, not by_value)):
+            if interned:  # each distinct value one object over the whole, as `_interned` of the whole gives
+                columns[column] = labels.uniques[labels.codes]
+        return cls(columns, names, cats, np.concatenate([p.unread_tids for p in parts]), by_value)
+
+
+def _all_text(labels: trace.Labels) -> bool:
+    """Whether every value is a string (none missing): what `_interned` interns."""
+    return bool((labels.codes >= 0).all()) and all(isinstance(u, str) for u in labels.uniques.tolist())
+
+
+def merged_labels(labels: Sequence[trace.Labels]) -> trace.Labels:
+    """The Labels of consecutive columns' values joined, from each one's Labels: what `Labels.of` of the joined
+    values gives (distinct values in order of first appearance), without hashing every value again."""
+    if len(labels) == 1:
+        return labels[0]
+    codes, uniques = pd.factorize(np.concatenate([label.uniques for label in labels]))
+    joined, start = [], 0
+    for label in labels:
+        remap = np.append(codes[start : start + len(label.uniques)], -1)  # a missing value (-1) stays missing
+        joined.append(remap[label.codes])
+        start += len(label.uniques)
+    return trace.Labels(np.concatenate(joined), np.asarray(uniques, dtype=object))
+
+
+def columns_of(cols: EventColumns) -> ColumnsPart:
+    """`event_columns` of these events before `_finished` (`ColumnsPart`)."""
     keep = _timed(cols)
     ts, dur = float_array(cols.ts[keep]), float_array(cols.dur[keep])
     complete = np.isfinite(ts) & np.isfinite(dur)  # a time that is no number: not a complete event
     if not complete.all():
         keep, ts, dur = keep[complete], ts[complete], dur[complete]
-    (name, names), (cat, cats) = _interned(cols.name[keep]), _interned_cats(cols, keep)
-    out = {"index": keep, "name": name, "cat": cat, "tid": _tids(cols.tid[keep]),
-           "ts": ts - ts.min() if len(ts) else ts, "dur": dur}  # fmt: skip
+    (name, names), (cat, cats, by_value) = _interned(cols.name[keep]), _interned_cats(cols, keep)
+    tid_values = cols.tid[keep]
+    tids = int_array(tid_values, INT64_MIN)
+    out = {"index": keep, "name": name, "cat": cat, "tid": tids, "ts": ts, "dur": dur}
     for columns, where in _arg_rows(cats):
         rows = np.flatnonzero(where) if where is not None else None
         for column, values in cols.arg_columns(columns, keep if rows is None else keep[rows]).items():
@@ -378,7 +454,21 @@ def _event_columns(events: EventColumns | list) -> tuple[dict[str, np.ndarray], 
                 full[rows] = values
                 values = full
             out[column] = values
-    return out, (names, cats)
+    return ColumnsPart(out, names, cats, tid_values[tids == INT64_MIN], by_value)
+
+
+def _finished(part: ColumnsPart) -> tuple[dict[str, np.ndarray], tuple[trace.Labels, trace.Labels]]:
+    """The columns of a whole trace's part: timestamps from the earliest event, and each thread id no integer
+    reads (a name, or none) one id of its own per distinct value, below -1, so that one such thread stays one."""
+    out = dict(part.columns)
+    ts = out["ts"]
+    out["ts"] = ts - ts.min() if len(ts) else ts
+    if len(part.unread_tids):
+        tids = out["tid"].copy()
+        codes, _uniques = pd.factorize(_objects([repr(v) for v in part.unread_tids.tolist()]))
+        tids[tids == INT64_MIN] = -2 - codes
+        out["tid"] = tids
+    return out, (part.names, part.cats)
 
 
 def _timed(cols: EventColumns) -> np.ndarray:
@@ -390,12 +480,13 @@ def _timed(cols: EventColumns) -> np.ndarray:
     return np.flatnonzero(timed)
 
 
-def _interned_cats(cols: EventColumns, keep: np.ndarray) -> tuple[np.ndarray, trace.Labels]:
-    """`_interned` of the categories at `keep`, from the categories' `Labels` where every one is a string."""
+def _interned_cats(cols: EventColumns, keep: np.ndarray) -> tuple[np.ndarray, trace.Labels, bool]:
+    """`_interned` of the categories at `keep`, from the categories' `Labels` where every one is a string; also
+    whether they were factorized from the values instead."""
     cats = cols.cats.take(keep)
     if (cats.codes < 0).any() or not all(isinstance(u, str) for u in cats.uniques.tolist()):
-        return _interned(cols.cat[keep])
-    return cats.uniques[cats.codes], cats
+        return (*_interned(cols.cat[keep]), True)
+    return cats.uniques[cats.codes], cats, False
 
 
 def _arg_rows(cats: trace.Labels) -> list[tuple[tuple[str, ...], np.ndarray | None]]:
@@ -407,6 +498,26 @@ def _arg_rows(cats: trace.Labels) -> list[tuple[tuple[str, ...], np.ndarray | No
     return [(("correlation",), None), (("stream",), ~cats.isin(trace.CPU_CATS)), (("external_id",), ops | gpu),
             (("input_dims", "input_type", "concrete_inputs", "record_id"), ops),
             (("grid", "block", "registers_per_thread", "shared_memory", "bytes"), gpu)]  # fmt: skip
+
+
+@dataclass
+class PooledEvents:
+    """A trace's events as worker processes gave them (`trace_pool`): what `analyze` checks of every event and the
+    `event_columns` of the complete ones, without the events themselves."""
+
+    cats: trace.Labels  # every event's category
+    completes: np.ndarray  # which events are complete ones (`ph` "X")
+    devices: list  # `EventColumns.kernel_devices`
+    part: ColumnsPart  # the complete events' columns
+
+    def __len__(self) -> int:
+        return len(self.completes)
+
+    def complete(self) -> np.ndarray:
+        return self.completes
+
+    def kernel_devices(self) -> list:
+        return self.devices
 
 
 @dataclass
@@ -471,26 +582,3 @@ def parse_events(events: EventColumns | list, rank: int = 0) -> Parsed:
     timeline = trace.Timeline(device_kind="cuda" if len(kernels) else "cpu", ops=ops, kernels=kernels, steps=steps)
     return Parsed(timeline=timeline, annotations=annotations, record_frame=records,
                   unlaunched=_unlaunched(cols, gpu, cats))  # fmt: skip
-
-
-def load_timeline(path: Path) -> trace.Timeline:
-    """The Timeline of one trace file through this module's decode (msgspec into columns) instead of HTA's parser:
-    `profile` loads its own trace this way. The tables are HTA's (tests/test_analyze_events.py) and the load is
-    several times faster (reports/analyze/profile_load.json); an 8B model's profile spent 31 s of its run in HTA's
-    parse on the H200 host. A folder of rank traces still goes through HTA (`trace.load_timeline`)."""
-    if path.is_dir():
-        return trace.load_timeline(path)
-    raw = gzip.decompress(path.read_bytes()) if path.name.endswith(".gz") else path.read_bytes()
-    collecting = gc.isenabled()
-    gc.disable()  # millions of small objects are made and none is garbage: the collector's passes are pure cost
-    try:
-        doc = decode(raw)
-        del raw
-        if doc.events is None:
-            raise ValueError(f"{path} is not a torch.profiler trace (no traceEvents)")
-        info = doc.distributed_info
-        rank = max(to_int(info.get("rank"), 0), 0) if isinstance(info, dict) else 0
-        return parse_events(doc.events, rank).timeline
-    finally:
-        if collecting:
-            gc.enable()

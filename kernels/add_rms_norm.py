@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 from fusionscope.kernels.dispatch import cdiv, launchable, new_output, run
-from fusionscope.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
+from fusionscope.kernels.pdl import launch_options, wait_for_previous
 from fusionscope.kernels.rms_norm import (
     SOFT_BF16,
     _scale,
@@ -85,9 +85,7 @@ def _add_rms_norm_kernel(
     SOFT_BF16: tl.constexpr,  # round to bf16 in software (the interpreter's cast truncates)
     PDL: tl.constexpr = False,  # `pdl`: wait for the kernel before, then let the next one start
 ):
-    if PDL:  # launched to overlap the kernel before (`pdl`): nothing is read or written before it finishes
-        gdc_wait()
-        gdc_launch_dependents()
+    wait_for_previous(PDL)  # launched to overlap the kernel before (`pdl`)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < M
     rows = rows.to(tl.int64)

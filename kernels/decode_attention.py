@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 from fusionscope.kernels.dispatch import Tunables, cdiv, launchable, pow2, run, sm_count
-from fusionscope.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
+from fusionscope.kernels.pdl import launch_options, wait_for_previous
 from fusionscope.kernels.rounding import round_to
 from torch.library import triton_op
 from triton.runtime.interpreter import InterpretedFunction
@@ -129,9 +129,7 @@ def _decode_attention_kernel(
     PRECISION: tl.constexpr,  # tl.dot's input precision: "ieee" for fp32 inputs
     PDL: tl.constexpr = False,  # `pdl`: wait for the kernel before, then let the next one start
 ):
-    if PDL:  # launched to overlap the kernel before (`pdl`): nothing is read or written before it finishes
-        gdc_wait()
-        gdc_launch_dependents()
+    wait_for_previous(PDL)  # launched to overlap the kernel before (`pdl`)
     # grid: (B·KVH, SPLITS, head blocks)
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -211,9 +209,7 @@ def _decode_attention_combine_kernel(
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr = False,  # `pdl`: wait for the kernel before, then let the next one start
 ):
-    if PDL:  # launched to overlap the kernel before (`pdl`): nothing is read or written before it finishes
-        gdc_wait()
-        gdc_launch_dependents()
+    wait_for_previous(PDL)  # launched to overlap the kernel before (`pdl`)
     # grid: (B·H,); one program merges the SPLITS partials of one head, always in the same reduction order
     pid = tl.program_id(0)
     b = (pid // H).to(tl.int64)

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import triton
+import triton.language as tl
 from fusionscope.kernels.dispatch import Tunables, eager_launch
 
 try:  # triton >= 3.4
@@ -45,6 +46,16 @@ except ImportError:  # pragma: no cover - depends on the installed triton
     _HAS_GDC = False
 else:
     _HAS_GDC = True
+
+
+@triton.jit
+def wait_for_previous(PDL: tl.constexpr) -> None:
+    """With `PDL`: wait until the kernel before has finished and its writes are visible, then let the next kernel
+    launch (module docstring: the rule). Every PDL kernel calls this before its first load of another kernel's
+    output and its first store."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 def _has_launch_option() -> bool:

@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 from fusionscope.kernels.dispatch import Tunables, cdiv, launchable, new_output, pow2, run
-from fusionscope.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
+from fusionscope.kernels.pdl import launch_options, wait_for_previous
 from torch.library import triton_op
 from triton.runtime.interpreter import InterpretedFunction
 
@@ -161,9 +161,7 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr = False,  # store residual + round(norm), the sum rounded once more (a post-norm's add)
     PDL: tl.constexpr = False,  # `pdl`: wait for the kernel before, then let the next one start
 ):
-    if PDL:  # launched to overlap the kernel before (`pdl`): nothing is read or written before it finishes
-        gdc_wait()
-        gdc_launch_dependents()
+    wait_for_previous(PDL)  # launched to overlap the kernel before (`pdl`)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < M
     rows = rows.to(tl.int64)

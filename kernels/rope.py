@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 from fusionscope.kernels.dispatch import cdiv, launchable, new_output, pow2, run
-from fusionscope.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
+from fusionscope.kernels.pdl import launch_options, wait_for_previous
 from fusionscope.kernels.rounding import round_to
 from torch.library import triton_op
 from triton.language.extra import libdevice
@@ -242,9 +242,7 @@ def _rope_kernel(
     WIDE: tl.constexpr,  # fp32 cos/sin with fp16/bf16 q and k (see _rotate_heads)
     PDL: tl.constexpr = False,  # `pdl`: wait for the kernel before, then let the next one start
 ):
-    if PDL:  # launched to overlap the kernel before (`pdl`): nothing is read or written before it finishes
-        gdc_wait()
-        gdc_launch_dependents()
+    wait_for_previous(PDL)  # launched to overlap the kernel before (`pdl`)
     # grid: (B·S tokens, head blocks of q then of k)
     tok = tl.program_id(0)
     hb = tl.program_id(1)
@@ -330,9 +328,7 @@ def _rope_and_cache_kernel(
     # [0, S_MAX) is not written, either way)
     PDL: tl.constexpr = False,  # `pdl`: wait for the kernel before, then let the next one start
 ):
-    if PDL:  # launched to overlap the kernel before (`pdl`): nothing is read or written before it finishes
-        gdc_wait()
-        gdc_launch_dependents()
+    wait_for_previous(PDL)  # launched to overlap the kernel before (`pdl`)
     tok = tl.program_id(0)
     hb = tl.program_id(1)
     b = (tok // S).to(tl.int64)

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 from fusionscope.kernels.dispatch import Tunables, cdiv, launchable, new_output, pow2, run
-from fusionscope.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
+from fusionscope.kernels.pdl import launch_options, wait_for_previous
 from fusionscope.kernels.rounding import round_to
 from torch.library import triton_op
 
@@ -64,9 +64,7 @@ def _silu_and_mul_kernel(
     BLOCK: tl.constexpr,  # columns per program
     PDL: tl.constexpr = False,  # `pdl`: wait for the kernel before, then let the next one start
 ):
-    if PDL:  # launched to overlap the kernel before (`pdl`): nothing is read or written before it finishes
-        gdc_wait()
-        gdc_launch_dependents()
+    wait_for_previous(PDL)  # launched to overlap the kernel before (`pdl`)
     row = tl.program_id(0).to(tl.int64)  # int64: rows × row stride can pass 2³¹ elements
     r0 = row // R1
     r1 = row % R1
@@ -83,9 +81,7 @@ def _silu_and_mul_kernel(
 @triton.jit
 def _silu_and_mul_flat_kernel(gate_ptr, up_ptr, out_ptr, numel, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """The same arithmetic over `numel` contiguous elements, BLOCK per program."""
-    if PDL:  # launched to overlap the kernel before (`pdl`): nothing is read or written before it finishes
-        gdc_wait()
-        gdc_launch_dependents()
+    wait_for_previous(PDL)  # launched to overlap the kernel before (`pdl`)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)

@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from fusionscope import analyze, table_writer, trace_events
+from fusionscope import analyze, table_writer, trace_events, trace_pool
 
 DATA = Path(__file__).resolve().parent / "data"
 TRACES = [
@@ -272,13 +272,13 @@ def test_streamed_decode_cuts_between_events(monkeypatch: pytest.MonkeyPatch) ->
 
 @pytest.mark.parametrize("members", [1, 3])
 def test_inflate_is_gzip_decompress(tmp_path: Path, members: int) -> None:
-    """`analyze.inflate`'s chunks are `gzip.decompress`'s bytes, members and zero padding between them too."""
+    """`trace_pool.inflate`'s chunks are `gzip.decompress`'s bytes, members and zero padding between them too."""
     raw = raw_bytes(TRACES[1])
     parts = [raw[k * len(raw) // members : (k + 1) * len(raw) // members] for k in range(members)]
     path = tmp_path / "t.json.gz"
     path.write_bytes(b"\0\0".join(gzip.compress(p, compresslevel=3) for p in parts))
     chunks: list = []
-    analyze.inflate(path, chunks.append, chunk=100_000)
+    trace_pool.inflate(path, chunks.append, chunk=100_000)
     assert chunks[-1] is None and b"".join(chunks[:-1]) == gzip.decompress(path.read_bytes()) == raw
 
 
@@ -292,7 +292,7 @@ def test_damaged_gzip_is_refused_as_before(tmp_path: Path, damage: str) -> None:
     path.write_bytes(packed)
     chunks: list = []
     with pytest.raises(Exception):  # noqa: B017 - zlib's error or EOFError, whichever zlib meets first
-        analyze.inflate(path, chunks.append)
+        trace_pool.inflate(path, chunks.append)
     assert chunks[-1] is None
     with pytest.raises(analyze.UsageError) as streamed_error:
         analyze.parse_trace(path)

@@ -23,8 +23,8 @@ KERNELS = "fusionscope.kernels"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("leaves", ("fusionscope.errors", "fusionscope.trace_fields", "fusionscope.markers", "fusionscope.kernel_names",
                 "fusionscope.datasheets", KERNELS, "fusionscope.bench.cases", "fusionscope.bench.timing")),
-    ("trace reading", ("fusionscope.trace", "fusionscope.trace_events", "fusionscope.training", "fusionscope.ranks",
-                       "fusionscope.merged_ranks")),
+    ("trace reading", ("fusionscope.trace", "fusionscope.trace_events", "fusionscope.trace_pool",
+                       "fusionscope.training", "fusionscope.ranks", "fusionscope.merged_ranks")),
     ("device and workload", ("fusionscope.gpu_replay", "fusionscope.device", "fusionscope.models",
                              "fusionscope.static_cache", "fusionscope.capture", "fusionscope.apply.sampler")),
     ("costing", ("fusionscope.roofline", "fusionscope.roofline.*", "fusionscope.analysis", "fusionscope.dataflow",

@@ -1,5 +1,5 @@
 """How long `profile` spends loading its own trace: HTA's parser (`trace.load_timeline`) against fusionscope's
-decode (`trace_events.load_timeline`, msgspec into columns), on one trace each size, the two interleaved.
+decode (`trace_pool.load_timeline`, msgspec into columns), on one trace each size, the two interleaved.
 
 The trace is the one `scale.py` writes (a real H200 Llama-3.2-1B decode trace copied until the size is reached), so
 sizes match what `profile` of an 8B model writes (~0.5M events for prompt 512 and 64 decode steps). Both loaders
@@ -26,7 +26,7 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scale import load_template, write_trace
 
-from fusionscope import trace, trace_events
+from fusionscope import trace, trace_pool
 
 RESULT = Path(__file__).with_name("profile_load.json")
 
@@ -60,7 +60,7 @@ def main() -> None:
             events = write_trace(template, size, path)
             hta, ours, equal = [], [], True
             for _ in range(args.rounds):
-                t_ours, ours_timeline = timed(trace_events.load_timeline, path)
+                t_ours, ours_timeline = timed(trace_pool.load_timeline, path)
                 t_hta, hta_timeline = timed(trace.load_timeline, path)
                 ours.append(t_ours)
                 hta.append(t_hta)

@@ -9,7 +9,8 @@ Dims, cudaLaunchKernel with correlation ids, kernels with External id / correlat
 previous copy and fresh External ids, correlation ids, flow ids and step numbers, until the event count is reached
 (whole copies only, so a kernel never loses its launch). Each trace is gzipped as `profile` writes its own and analysed
 in a fresh subprocess making the call the CLI makes (`fusionscope.analyze.analyze`, with `on_stage` timing each stage);
-the peak RSS is that child's, from `os.wait4`.
+the peak RSS is that child's, from `os.wait4`, and the tree's (the child, its trace workers and table writer, summed,
+sampled every 10 ms).
 
     .venv/bin/python reports/analyze/scale.py            # writes reports/analyze/scale.json
     .venv/bin/python reports/analyze/scale.py --sizes 50000 200000 --profile 200000
@@ -27,6 +28,7 @@ import pstats
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from datetime import UTC, datetime
 from importlib import metadata
@@ -133,13 +135,58 @@ def analyse_once(trace: Path, work: Path, profile_out: Path | None = None) -> di
                str(facts)]  # fmt: skip
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT)
+    tree_peak = [0.0]
+    sampler = threading.Thread(target=_sample_tree, args=(proc.pid, tree_peak), daemon=True)
+    sampler.start()
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
+    sampler.join()
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         raise RuntimeError(f"analyze exited {proc.returncode} on {trace}")
     child = json.loads(facts.read_text())
-    return {"wall_s": round(wall, 3), "peak_rss_mib": round(usage.ru_maxrss / 1024, 1), **child}
+    return {"wall_s": round(wall, 3), "peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
+            "tree_peak_rss_mib": round(tree_peak[0], 1), **child}  # fmt: skip
+
+
+def _sample_tree(pid: int, peak: list[float]) -> None:
+    """The peak of the summed RSS of `pid` and its descendants (the trace's worker processes, the table writer),
+    sampled every 10 ms until `pid` exits: `ru_maxrss` is one process's peak."""
+    while Path(f"/proc/{pid}").exists() and _state(pid) not in ("Z", "X", None):
+        todo, total = [pid], 0.0
+        while todo:
+            one = todo.pop()
+            total += _rss_mib(one)
+            todo += _children(one)
+        peak[0] = max(peak[0], total)
+        time.sleep(0.01)
+
+
+def _state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _rss_mib(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            found += [int(c) for c in (task / "children").read_text().split()]
+    except OSError:
+        pass
+    return found
 
 
 def top_functions(profile: Path, n: int = 20) -> list[dict]:
@@ -176,7 +223,7 @@ def machine() -> dict:
         except metadata.PackageNotFoundError:
             versions[dist] = None
     return {"nproc": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
-            "python": platform.python_version(), **versions}  # fmt: skip
+            "python": platform.python_version(), "load_before": os.getloadavg(), **versions}  # fmt: skip
 
 
 def verdict(rows: list[dict]) -> dict:
@@ -193,7 +240,10 @@ def verdict(rows: list[dict]) -> dict:
         "mib_per_1k_events_range": [min(per_k), max(per_k)],
         "marginal_mib_per_1k_events": marginal_mib_per_1k(rows),
         "peak_rss_mib_at_1m": at_1m["peak_rss_mib"] if at_1m else None,
-        "memory_at_1m_met": at_1m["peak_rss_mib"] <= TARGET_PEAK_MIB_AT_1M if at_1m else None,
+        "tree_peak_rss_mib_at_1m": at_1m["tree_peak_rss_mib"] if at_1m else None,
+        "memory_at_1m_met": max(at_1m["peak_rss_mib"], at_1m["tree_peak_rss_mib"]) <= TARGET_PEAK_MIB_AT_1M
+        if at_1m
+        else None,
         "largest_events": biggest["events"],
     }
 

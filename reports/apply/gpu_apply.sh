@@ -17,6 +17,8 @@ exec > >(tee "$log") 2>&1
 echo "date: $(date -u +%FT%TZ)"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
 python3 -c 'import torch, triton, transformers, pandas; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, "pandas", pandas.__version__)'
+# msgspec decodes the traces (without it, `json`: about 2.5x slower); .gpu/ carries it (prepare.sh msgspec==0.23.0)
+python3 -c 'import msgspec, os; print("msgspec", msgspec.__version__, "cores", len(os.sched_getaffinity(0)))' || echo "msgspec: not installed"
 
 runs=()
 for one in ${set_name//,/ }; do
@@ -119,10 +121,10 @@ for run in "${runs[@]}"; do
     [ -e "$trace" ] || continue
     (cd "$work" && python3 -c 'import sys, time
 from pathlib import Path
-from fusionscope import trace_events
+from fusionscope import trace_pool
 p = Path(sys.argv[1]); times = []
 for _ in range(3):
-    t = time.perf_counter(); tl = trace_events.load_timeline(p); times.append(time.perf_counter() - t); del tl
+    t = time.perf_counter(); tl = trace_pool.load_timeline(p); times.append(time.perf_counter() - t); del tl
 print(f"TRACELOAD {p.name} {p.stat().st_size / 2**20:.0f} MiB: " + " ".join(f"{t:.2f}" for t in times) + " s")' "$trace")
   done
   first=0

@@ -55,13 +55,18 @@ def _calls_in_order(fn: object) -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("kernel", _pdl_kernels(), ids=lambda k: k.fn.__name__)
 def test_no_kernel_reads_or_writes_before_its_wait(kernel: Any) -> None:
-    """Before the first `gdc_wait()` of the source: no `tl.store`, and no `tl.load` but of a weight the kernel is
-    allowed to read early; and the wait is followed by the signal to the next kernel."""
+    """Before the first wait of the source (`pdl.wait_for_previous(PDL)`, or `gdc_wait()`): no `tl.store`, and no
+    `tl.load` but of a weight the kernel is allowed to read early; and the wait is followed by the signal to the next
+    kernel."""
     calls = _calls_in_order(kernel.fn)
     callees = [c for c, _ in calls]
-    assert "gdc_wait" in callees and "gdc_launch_dependents" in callees
-    first_wait = callees.index("gdc_wait")
-    assert callees.index("gdc_launch_dependents") > first_wait
+    if "wait_for_previous" in callees:  # the helper: the wait, then the signal
+        assert calls[callees.index("wait_for_previous")][1] == "PDL"
+        first_wait = callees.index("wait_for_previous")
+    else:
+        assert "gdc_wait" in callees and "gdc_launch_dependents" in callees
+        first_wait = callees.index("gdc_wait")
+        assert callees.index("gdc_launch_dependents") > first_wait
     allowed = LOADS_BEFORE_THE_WAIT.get(kernel.fn.__name__, set())
     for callee, first in calls[:first_wait]:
         assert callee != "tl.store", f"{kernel.fn.__name__} stores before its wait"
@@ -94,3 +99,8 @@ def test_a_launch_without_pdl_never_carries_the_launch_option() -> None:
     that does not wait."""
     for options in (pdl._ON, pdl._OFF):
         assert options["PDL"] == ("launch_pdl" in options)
+
+
+def test_the_wait_helper_waits_then_signals() -> None:
+    callees = [c for c, _ in _calls_in_order(pdl.wait_for_previous.fn)]
+    assert callees == ["gdc_wait", "gdc_launch_dependents"]

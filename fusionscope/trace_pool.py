@@ -1,0 +1,377 @@
+"""A large trace read by worker processes: the text is cut between events as it inflates, and each piece is decoded
+by a fresh interpreter straight into the columns the join takes (`trace_events.columns_of`), so that no Python object
+per event and field ever reaches this process.
+
+Why: decoding a million-event trace in one process makes an object per event (msgspec's structs), columns of them,
+then the join's columns: about 4 s of one core on the 2-core CI machine at a million events, while the other cores
+idle (a GPU host has 16). Threads cannot share that work (it is Python code, under one interpreter lock), and a
+forked child can deadlock on a lock a thread of the parent held (the inflating thread, torch's pools), so the
+workers are fresh interpreters, as `table_writer`'s is, started before the first byte is inflated (their imports
+overlap the inflating). This process decodes pieces too, on a thread: its main thread only cuts and writes the text
+and the inflating thread leaves the interpreter lock free, so of `workers()` one is that thread (on 2 cores: one
+worker process and this one; a second process cost 0.45 s more CPU for its start and was no faster). Each piece
+travels through a file in shared memory (`/dev/shm`; through a pipe, 325 MB took 0.9 s of this process's time), and
+its columns come back pickled: arrays of numbers, and the few distinct names and argument lists once each (pickle's
+memo keeps the objects a piece shares shared; `_shared_lists` then makes each argument list one object over the
+whole trace, as a read here shares it). The files stay until the document is made: where a piece turns out to
+be no list of events, the whole text is decoded here from them.
+
+The pieces are `trace_events.StreamedDecode`'s (cut after an event's `}`, `,` and the next `{`; the header decoded
+here), and the parts they give join into the whole's columns (`ColumnsPart.concat`: the index of each event in the
+file, names and categories as `Labels` merged, timestamps and unnamed threads finished over the whole), so the tables
+are the ones `trace_events.decode` of the whole text gives (tests/test_trace_pool.py, on every fixture). Where any
+piece is no list of plain events (a cut inside a string, a value msgspec refuses), the whole text is decoded here as
+before; a worker that cannot start or dies leaves its pieces to this process. Small traces are read as before:
+starting an interpreter that imports pandas costs 0.3-0.4 s of CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import pickle
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import zlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from fusionscope import trace
+from fusionscope.trace_events import (
+    LIST_ARGS,
+    ColumnsPart,
+    EventColumns,
+    PooledEvents,
+    StreamedDecode,
+    TraceDocument,
+    _events_decoder,
+    _objects,
+    _struct_columns,
+    columns_of,
+    distinct_objects,
+    merged_labels,
+    msgspec,
+)
+
+INFLATED_CHUNK = 1 << 22  # bytes of text handed over at a time: about 12k events, a piece for a worker
+# Text from which workers decode it. On 2 cores (2 workers and this process) the workers' start (0.45 s of CPU
+# each, mostly pandas' import) is paid back from about 160 MiB (500k events: 2.0-2.6 s here, 2.1-2.2 s pooled; 200k
+# events: 1.2-1.4 s here, 1.5-1.8 s pooled); with more cores the starts run side by side and pay back sooner.
+POOL_FROM_BYTES = 160 << 20
+POOL_FROM_BYTES_MANY_CORES = 64 << 20  # from 4 workers
+MAX_WORKERS = 8  # past this the inflating, one stream on one core, is what everything waits for
+WORKERS_ENV = "FUSIONSCOPE_TRACE_WORKERS"  # how many worker processes (0: none, every trace read here)
+SHARED_MEMORY = Path("/dev/shm")
+
+
+def inflate(path: Path, put: Callable[[bytes | None], object], chunk: int = INFLATED_CHUNK) -> None:
+    """Inflate the gzipped file and `put` its text chunk by chunk, then None (also when it fails). The bytes of
+    `gzip.decompress` (every member, zero padding between members skipped), which zlib checks as it goes (each
+    member's CRC and length); a damaged or truncated file raises (zlib's error, or EOFError)."""
+    try:
+        data = path.read_bytes()
+        while data:
+            member = zlib.decompressobj(16 + zlib.MAX_WBITS)  # a gzip member
+            while not member.eof:
+                text = member.decompress(data, chunk)
+                data = member.unconsumed_tail
+                if text:
+                    put(text)
+                elif not data:
+                    raise EOFError("compressed file ended before the end-of-stream marker was reached")
+            data = member.unused_data.lstrip(b"\x00")
+    finally:
+        put(None)
+
+
+def workers() -> int:
+    """Worker processes for a large trace: this process's cores, at most `MAX_WORKERS`, or `WORKERS_ENV`'s
+    number; fewer than two is none (one worker beside this process gains nothing a thread does not)."""
+    given = os.environ.get(WORKERS_ENV, "").strip()
+    count = int(given) if given.isdigit() else min(len(os.sched_getaffinity(0)), MAX_WORKERS)
+    return count if count >= 2 else 0
+
+
+def text_bytes(path: Path) -> int:
+    """The size of the trace's text: a gzip's own record of it (its last four bytes, modulo 4 GiB), else the
+    file's size."""
+    size = path.stat().st_size
+    if not path.name.endswith(".gz") or size < 18:
+        return size
+    with open(path, "rb") as f:
+        f.seek(-4, os.SEEK_END)
+        return int.from_bytes(f.read(4), "little")
+
+
+def read_document(path: Path, while_reading: Callable[[], object] | None = None,
+                  pooled: bool = True) -> TraceDocument | None:  # fmt: skip
+    """The gzipped trace decoded as another thread inflates it: by worker processes for a large trace (`pooled`,
+    module docstring), else here, each run of whole events as soon as it has arrived (at a million events inflating
+    and decoding take most of a second each, now side by side). `while_reading` runs while it inflates. None where
+    the file cannot be inflated: the caller reads it whole and says why."""
+    count = workers() if pooled and msgspec is not None else 0
+    if count and text_bytes(path) < min(POOL_FROM_BYTES, POOL_FROM_BYTES_MANY_CORES if count >= 4 else 1 << 62):
+        count = 0
+    decoder = PooledDecode(DecodePool(count)) if count else StreamedDecode()
+    chunks: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            reading = pool.submit(inflate, path, chunks.put, INFLATED_CHUNK)
+            if while_reading is not None:
+                while_reading()
+            with _collector_paused():
+                while (chunk := chunks.get()) is not None:
+                    decoder.feed(chunk)
+            if reading.exception() is not None:
+                return None
+        with _collector_paused():
+            return decoder.finish()
+    finally:  # also on an interrupt, or an error here: the workers are killed, their pieces not wanted
+        if isinstance(decoder, PooledDecode):
+            decoder.pool.remove()
+
+
+def load_timeline(path: Path) -> trace.Timeline:
+    """The Timeline of one trace file through `trace_events`' decode (msgspec into columns; by worker processes
+    for a large one) instead of HTA's parser: `profile` loads its own trace this way. The tables are HTA's
+    (tests/test_analyze_events.py) and the load is several times faster (reports/analyze/profile_load.json); an 8B
+    model's profile spent 31 s of its run in HTA's parse on the H200 host. A folder of rank traces still goes
+    through HTA (`trace.load_timeline`)."""
+    from fusionscope.trace_events import decode, parse_events
+    from fusionscope.trace_fields import to_int
+
+    if path.is_dir():
+        return trace.load_timeline(path)
+    doc = read_document(path) if path.name.endswith(".gz") else None
+    with _collector_paused():
+        if doc is None:
+            raw = path.read_bytes()
+            if path.name.endswith(".gz"):
+                import gzip
+
+                raw = gzip.decompress(raw)
+            doc = decode(raw)
+            del raw
+        if doc.events is None:
+            raise ValueError(f"{path} is not a torch.profiler trace (no traceEvents)")
+        info = doc.distributed_info
+        rank = max(to_int(info.get("rank"), 0), 0) if isinstance(info, dict) else 0
+        return parse_events(doc.events, rank).timeline
+
+
+class _collector_paused:
+    """Pause the cyclic collector while millions of small objects without cycles are made (`analyze`'s reason)."""
+
+    def __enter__(self) -> None:
+        self.was = gc.isenabled()
+        gc.disable()
+
+    def __exit__(self, *_exc: object) -> None:
+        if self.was:
+            gc.enable()
+
+
+@dataclass
+class Piece:
+    """What a worker sends back for a piece of the text: what `analyze` checks of every event, and the columns of
+    the complete ones (`trace_events.columns_of`), each argument list column as codes into its distinct objects
+    (`lists`; None in `part` holds its place), which `_joined` makes one object per value over the whole trace."""
+
+    events: int
+    cats: trace.Labels  # every event's category
+    completes: np.ndarray  # `EventColumns.complete`
+    devices: list  # `EventColumns.kernel_devices`
+    part: ColumnsPart
+    lists: dict[str, tuple[np.ndarray, np.ndarray]]  # column → (codes, distinct objects)
+
+
+def piece_of(events: list) -> Piece:
+    """The `Piece` of msgspec's event structs (`trace_events._events_decoder`)."""
+    cols = EventColumns(*_struct_columns(events), structs=True)
+    part = columns_of(cols)
+    lists = {}
+    for column in LIST_ARGS:
+        codes, first = distinct_objects(part.columns[column].tolist())
+        lists[column], part.columns[column] = (codes, part.columns[column][first]), None
+    return Piece(len(cols), cols.cats, cols.complete(), cols.kernel_devices(), part, lists)
+
+
+def _shared_lists(pieces: list[Piece]) -> None:
+    """Fill each piece's argument list columns with one object per distinct value over all pieces (the first
+    piece's), as `trace_events._shared` of the whole trace shares them: later stages compute per object, and a
+    piece's own objects would repeat each value once per piece (at a million events, 60 times)."""
+    for column in LIST_ARGS:
+        uniques = np.concatenate([piece.lists[column][1] for piece in pieces])
+        codes, _values = pd.factorize(_objects([repr(v) for v in uniques.tolist()]))
+        first = np.empty(codes.max() + 1 if len(codes) else 0, dtype=np.int64)
+        first[codes[::-1]] = np.arange(len(codes) - 1, -1, -1)
+        shared, start = uniques[first][codes], 0
+        for piece in pieces:
+            piece_codes, piece_uniques = piece.lists[column]
+            piece.part.columns[column] = shared[start : start + len(piece_uniques)][piece_codes]
+            start += len(piece_uniques)
+
+
+def decoded_piece(text: bytes) -> Piece | None:
+    """The `Piece` of a piece of the text (`[` + whole events + `]`); None where it is no list of plain events."""
+    try:
+        events = _events_decoder().decode(text)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return piece_of(events)
+
+
+class PooledDecode(StreamedDecode):
+    """`StreamedDecode` whose pieces are decoded by the pool's workers; the last piece, which `_end` decodes here to
+    find where the list of events ends, is made a `Piece` here."""
+
+    def __init__(self, pool: DecodePool) -> None:
+        super().__init__()
+        self.pool = pool
+
+    def _take(self, parts: list[bytes | memoryview]) -> bool:
+        self.pool.submit(parts)
+        return True
+
+    def _piece_texts(self) -> list[bytes]:
+        return [path.read_bytes() for path in self.pool.paths]
+
+    def _joined(self, last: list) -> PooledEvents | None:
+        pieces = []
+        for k, got in enumerate(self.pool.close()):
+            got = decoded_piece(self.pool.paths[k].read_bytes()) if got is FAILED else got  # decoded here
+            if got is None:
+                return None
+            pieces.append(got)
+        pieces.append(piece_of(last))
+        _shared_lists(pieces)
+        firsts = np.cumsum([0, *(p.events for p in pieces[:-1])]).tolist()
+        every_cat = merged_labels([p.cats for p in pieces])
+        return PooledEvents(cats=every_cat, completes=np.concatenate([p.completes for p in pieces]),
+                            devices=[d for p in pieces for d in p.devices],
+                            part=ColumnsPart.concat([p.part for p in pieces], firsts, every_cat))  # fmt: skip
+
+
+FAILED = object()  # a piece no worker sent back
+
+
+class DecodePool:
+    """`count` - 1 worker processes and a thread of this one decoding pieces of a trace's text (`submit`); each
+    process is served by a thread here that hands it the next piece (a file in shared memory) and reads its `Piece`
+    back (`pickle`); `close` returns them in the order submitted (`FAILED` where none did it)."""
+
+    def __init__(self, count: int) -> None:
+        base = SHARED_MEMORY if SHARED_MEMORY.is_dir() and os.access(SHARED_MEMORY, os.W_OK) else None
+        self.folder = Path(tempfile.mkdtemp(prefix="fusionscope-pieces-", dir=base))
+        self.todo: queue.SimpleQueue[tuple[int, Path] | None] = queue.SimpleQueue()
+        self.results: list[object] = []
+        self.paths: list[Path] = []  # each piece's file, kept until `remove` (a piece a worker did not do is read)
+        self.children = [child for child in (_start() for _ in range(count - 1)) if child is not None]
+        self.threads = [threading.Thread(target=self._serve, args=(child,), daemon=True) for child in self.children]
+        self.threads.append(threading.Thread(target=self._serve_here, daemon=True))
+        for thread in self.threads:
+            thread.start()
+        self.closed: list[object] | None = None
+
+    def submit(self, parts: list[bytes | memoryview]) -> None:
+        """Write a piece's text (in parts, not joined: a copy less) and queue it for the next free worker."""
+        path = self.folder / f"{len(self.paths)}.json"
+        with open(path, "wb") as f:
+            f.writelines(parts)
+        self.paths.append(path)
+        self.results.append(FAILED)
+        self.todo.put((len(self.paths) - 1, path))
+
+    def _serve(self, child: subprocess.Popen) -> None:
+        """Hand the child pieces until none is left or it fails (its pieces stay FAILED)."""
+        while (item := self.todo.get()) is not None:
+            k, path = item
+            try:
+                pickle.dump(str(path), child.stdin)
+                child.stdin.flush()
+                self.results[k] = pickle.load(child.stdout)
+            except Exception:
+                return
+
+    def _serve_here(self) -> None:
+        """Decode pieces in this process too, beside the workers: its main thread only cuts and writes the text,
+        and the inflating thread leaves the interpreter lock free (zlib releases it), so this costs the workers
+        nothing and saves one interpreter's start (0.45 s of CPU)."""
+        while (item := self.todo.get()) is not None:
+            k, path = item
+            self.results[k] = decoded_piece(path.read_bytes())
+
+    def close(self, kill: bool = False) -> list[object]:
+        """Each piece's `Piece` (None: no list of plain events; FAILED: no worker sent it); the workers ended (with
+        `kill`, at once: their pieces stay FAILED). Safe to call again (the same list)."""
+        if self.closed is None:
+            if kill:
+                for child in self.children:
+                    child.kill()
+            for _ in self.threads:
+                self.todo.put(None)
+            for thread in self.threads:
+                thread.join()
+            for child in self.children:
+                _stop(child)
+            self.closed = self.results
+        return self.closed
+
+    def remove(self) -> None:
+        """End the workers (killed) if they still run, and remove the pieces' files."""
+        self.close(kill=True)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+CHILD = "import sys; sys.path[:] = sys.argv[1:]; from fusionscope.trace_pool import main; main()"
+
+
+def _start() -> subprocess.Popen | None:
+    """A worker: this interpreter with its flags, importing from this one's `sys.path` (the same fusionscope);
+    None where none can be started."""
+    if not sys.executable:
+        return None
+    command = [sys.executable, *subprocess._args_from_interpreter_flags(), "-c", CHILD, *sys.path]
+    try:
+        return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    except OSError:
+        return None
+
+
+def _stop(child: subprocess.Popen) -> None:
+    """End a worker: its stdin closed (it exits at the end of its input), killed if it is still busy."""
+    with contextlib.suppress(OSError):
+        child.stdin.close()
+    try:
+        child.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+    child.stdout.close()
+
+
+def main() -> None:
+    """A worker: decode each piece named on stdin and send its `Piece` back, until stdin ends. The collector is
+    paused (a piece is tens of thousands of objects and no cycles); an interrupt is the parent's to handle."""
+    gc.disable()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _events_decoder()
+    source, sink = sys.stdin.buffer, sys.stdout.buffer
+    while True:
+        try:
+            path = Path(pickle.load(source))
+        except EOFError:
+            return
+        pickle.dump(decoded_piece(path.read_bytes()), sink, protocol=pickle.HIGHEST_PROTOCOL)
+        sink.flush()
