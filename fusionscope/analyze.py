@@ -357,7 +357,11 @@ def _gpu_name(properties: object, devices: list) -> str | None:
     listed = properties if isinstance(properties, list) else []
     named = [p for p in listed if isinstance(p, dict) and p.get("name")]
     used = Counter()  # ROCm writes ids as hex strings: "0x0"; each distinct value read once
-    for value, count in Counter(map(_hashable, devices)).items():
+    try:
+        counts = Counter(devices)
+    except TypeError:  # a list or dict among them
+        counts = Counter(map(_hashable, devices))
+    for value, count in counts.items():
         used[None if value is None else to_int(value)] += count
     if not named or not used:
         return None

@@ -313,8 +313,9 @@ class DecodePool:
             self.results[k] = decoded_piece(path.read_bytes())
 
     def close(self, kill: bool = False) -> list[object]:
-        """Each piece's `Piece` (None: no list of plain events; FAILED: no worker sent it); the workers ended (with
-        `kill`, at once: their pieces stay FAILED). Safe to call again (the same list)."""
+        """Each piece's `Piece` (None: no list of plain events; FAILED: none sent it), once every piece is done (with
+        `kill`, at once: the workers killed, their pieces FAILED); the workers' stdin closed, so they exit (not
+        waited for: their teardown, 0.1 s, is theirs; `remove` reaps them). Safe to call again (the same list)."""
         if self.closed is None:
             if kill:
                 for child in self.children:
@@ -324,13 +325,20 @@ class DecodePool:
             for thread in self.threads:
                 thread.join()
             for child in self.children:
-                _stop(child)
+                with contextlib.suppress(OSError):
+                    child.stdin.close()
             self.closed = self.results
         return self.closed
 
     def remove(self) -> None:
-        """End the workers (killed) if they still run, and remove the pieces' files."""
+        """End the workers (killed where they still run: their pieces are done or not wanted) and remove the
+        pieces' files."""
         self.close(kill=True)
+        for child in self.children:
+            if child.poll() is None:
+                child.kill()
+            child.wait()
+            child.stdout.close()
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
@@ -347,18 +355,6 @@ def _start() -> subprocess.Popen | None:
         return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     except OSError:
         return None
-
-
-def _stop(child: subprocess.Popen) -> None:
-    """End a worker: its stdin closed (it exits at the end of its input), killed if it is still busy."""
-    with contextlib.suppress(OSError):
-        child.stdin.close()
-    try:
-        child.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        child.wait()
-    child.stdout.close()
 
 
 def main() -> None:
