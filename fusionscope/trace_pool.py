@@ -99,7 +99,8 @@ def workers() -> int:
     """Worker processes for a large trace: this process's cores, at most `MAX_WORKERS`, or `WORKERS_ENV`'s
     number; fewer than two is none (one worker beside this process gains nothing a thread does not)."""
     given = os.environ.get(WORKERS_ENV, "").strip()
-    count = int(given) if given.isdigit() else min(len(os.sched_getaffinity(0)), MAX_WORKERS)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    count = int(given) if given.isdigit() else min(cores, MAX_WORKERS)
     return count if count >= 2 else 0
 
 
@@ -123,7 +124,7 @@ def read_document(path: Path, while_reading: Callable[[], object] | None = None,
     count = workers() if pooled and msgspec is not None else 0
     if count and text_bytes(path) < min(POOL_FROM_BYTES, POOL_FROM_BYTES_MANY_CORES if count >= 4 else 1 << 62):
         count = 0
-    decoder = PooledDecode(DecodePool(count)) if count else StreamedDecode()
+    decoder = PooledDecode(DecodePool(count, text_bytes(path))) if count else StreamedDecode()
     chunks: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
     try:
         with ThreadPoolExecutor(max_workers=1) as pool:
@@ -245,12 +246,12 @@ class PooledDecode(StreamedDecode):
         return True
 
     def _piece_texts(self) -> list[bytes]:
-        return [path.read_bytes() for path in self.pool.paths]
+        return [self.pool.text(k) for k in range(len(self.pool.paths))]
 
     def _joined(self, last: list) -> PooledEvents | None:
         pieces = []
         for k, got in enumerate(self.pool.close()):
-            got = decoded_piece(self.pool.paths[k].read_bytes()) if got is FAILED else got  # decoded here
+            got = decoded_piece(self.pool.text(k)) if got is FAILED else got  # decoded here
             if got is None:
                 return None
             pieces.append(got)
@@ -271,12 +272,12 @@ class DecodePool:
     process is served by a thread here that hands it the next piece (a file in shared memory) and reads its `Piece`
     back (`pickle`); `close` returns them in the order submitted (`FAILED` where none did it)."""
 
-    def __init__(self, count: int) -> None:
-        base = SHARED_MEMORY if SHARED_MEMORY.is_dir() and os.access(SHARED_MEMORY, os.W_OK) else None
-        self.folder = Path(tempfile.mkdtemp(prefix="fusionscope-pieces-", dir=base))
+    def __init__(self, count: int, text_size: int = 0) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="fusionscope-pieces-", dir=_pieces_base(text_size)))
         self.todo: queue.SimpleQueue[tuple[int, Path] | None] = queue.SimpleQueue()
         self.results: list[object] = []
         self.paths: list[Path] = []  # each piece's file, kept until `remove` (a piece a worker did not do is read)
+        self.unwritten: dict[int, bytes] = {}  # pieces no file could hold (a full disk): decoded here
         self.children = [child for child in (_start() for _ in range(count - 1)) if child is not None]
         self.threads = [threading.Thread(target=self._serve, args=(child,), daemon=True) for child in self.children]
         self.threads.append(threading.Thread(target=self._serve_here, daemon=True))
@@ -285,13 +286,24 @@ class DecodePool:
         self.closed: list[object] | None = None
 
     def submit(self, parts: list[bytes | memoryview]) -> None:
-        """Write a piece's text (in parts, not joined: a copy less) and queue it for the next free worker."""
-        path = self.folder / f"{len(self.paths)}.json"
-        with open(path, "wb") as f:
-            f.writelines(parts)
+        """Write a piece's text (in parts, not joined: a copy less) and queue it for the next free worker; a piece
+        no file can hold (the folder's disk full) is kept here and decoded here."""
+        k = len(self.paths)
+        path = self.folder / f"{k}.json"
         self.paths.append(path)
         self.results.append(FAILED)
-        self.todo.put((len(self.paths) - 1, path))
+        try:
+            with open(path, "wb") as f:
+                f.writelines(parts)
+        except OSError:
+            path.unlink(missing_ok=True)
+            self.unwritten[k] = b"".join(parts)
+            return
+        self.todo.put((k, path))
+
+    def text(self, k: int) -> bytes:
+        """The text of piece `k`."""
+        return self.unwritten[k] if k in self.unwritten else self.paths[k].read_bytes()
 
     def _serve(self, child: subprocess.Popen) -> None:
         """Hand the child pieces until none is left or it fails (its pieces stay FAILED)."""
@@ -340,6 +352,17 @@ class DecodePool:
             child.wait()
             child.stdout.close()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _pieces_base(text_size: int) -> Path | None:
+    """Where the pieces' files go: shared memory where it has room for the whole text (a container's `/dev/shm` is
+    often 64 MB), else the temporary folder (None: `tempfile`'s)."""
+    try:
+        if os.access(SHARED_MEMORY, os.W_OK) and shutil.disk_usage(SHARED_MEMORY).free > 2 * text_size:
+            return SHARED_MEMORY
+    except OSError:
+        pass
+    return None
 
 
 CHILD = "import sys; sys.path[:] = sys.argv[1:]; from fusionscope.trace_pool import main; main()"

@@ -166,7 +166,7 @@ def test_only_a_large_trace_is_read_by_workers(workers: int, mib: int, pooled: b
     class Made(Exception):
         pass
 
-    def pool(count: int) -> None:
+    def pool(count: int, _text_size: int = 0) -> None:
         made.append(count)
         raise Made
 
@@ -179,3 +179,27 @@ def test_only_a_large_trace_is_read_by_workers(workers: int, mib: int, pooled: b
     else:
         assert trace_pool.read_document(TRACES[0]).events is not None
     assert made == ([workers] if pooled else [])
+
+
+def test_pieces_no_file_can_hold_are_decoded_here(pooled: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk under the pieces' folder (every third write fails) costs time, not results."""
+    real_open, calls = open, [0]
+
+    def full(path: object, mode: str = "r", *args: object, **kwargs: object):
+        if "w" in mode and str(path).endswith(".json"):
+            calls[0] += 1
+            if calls[0] % 3 == 0:
+                raise OSError(28, "No space left on device")
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", full)
+    doc = trace_pool.read_document(TRACES[1])
+    assert calls[0] > 6 and isinstance(doc.events, trace_events.PooledEvents)
+    assert_same(parsed_tables(doc), whole(TRACES[1]))
+
+
+def test_the_pieces_go_to_shared_memory_only_where_it_has_room(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(trace_pool, "SHARED_MEMORY", tmp_path)
+    free = trace_pool.shutil.disk_usage(tmp_path).free
+    assert trace_pool._pieces_base(free // 4) == tmp_path
+    assert trace_pool._pieces_base(free) is None
