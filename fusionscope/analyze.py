@@ -297,7 +297,9 @@ def parse_trace(path: Path, while_reading: Callable[[], object] | None = None, p
         raise UsageError(f"{path} is a folder: pass it to analyze() as a folder of per-rank traces")
     if not path.name.endswith((".json", ".json.gz")):
         raise UsageError(f"{path} is not a .json or .json.gz trace file")
-    doc = trace_pool.read_document(path, while_reading, pooled) if path.name.endswith(".gz") else None
+    doc = None
+    if path.name.endswith(".gz"):  # text that is not JSON: a UsageError here too
+        doc = _decoded(path, lambda: trace_pool.read_document(path, while_reading, pooled))
     if doc is None:  # read whole, then decoded
         with ThreadPoolExecutor(max_workers=1) as pool:
             reading = pool.submit(read_bytes, path)

@@ -13,8 +13,9 @@ worker process and this one; a second process cost 0.45 s more CPU for its start
 travels through a file in shared memory (`/dev/shm`; through a pipe, 325 MB took 0.9 s of this process's time), and
 its columns come back pickled: arrays of numbers, and the few distinct names and argument lists once each (pickle's
 memo keeps the objects a piece shares shared; `_shared_lists` then makes each argument list one object over the
-whole trace, as a read here shares it). The files stay until the document is made: where a piece turns out to
-be no list of events, the whole text is decoded here from them.
+whole trace, as a read here shares it). Each file is removed once read, and at most two pieces per worker wait in
+the folder (the rest of the text waits inflated in this process), so an abrupt end leaves little in shared memory;
+where a piece turns out to be no list of events, the caller reads the whole file again (`read_document` gives None).
 
 The pieces are `trace_events.StreamedDecode`'s (cut after an event's `}`, `,` and the next `{`; the header decoded
 here), and the parts they give join into the whole's columns (`ColumnsPart.concat`: the index of each event in the
@@ -120,13 +121,15 @@ def read_document(path: Path, while_reading: Callable[[], object] | None = None,
     """The gzipped trace decoded as another thread inflates it: by worker processes for a large trace (`pooled`,
     module docstring), else here, each run of whole events as soon as it has arrived (at a million events inflating
     and decoding take most of a second each, now side by side). `while_reading` runs while it inflates. None where
-    the file cannot be inflated: the caller reads it whole and says why."""
+    the file cannot be inflated, or where a piece the workers had is no list of plain events: the caller reads it
+    whole and says why (or decodes it with `json`)."""
     count = workers() if pooled and msgspec is not None else 0
     if count and text_bytes(path) < min(POOL_FROM_BYTES, POOL_FROM_BYTES_MANY_CORES if count >= 4 else 1 << 62):
         count = 0
-    decoder = PooledDecode(DecodePool(count, text_bytes(path))) if count else StreamedDecode()
+    decoder: StreamedDecode | None = None
     chunks: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
     try:
+        decoder = PooledDecode(DecodePool(count)) if count else StreamedDecode()
         with ThreadPoolExecutor(max_workers=1) as pool:
             reading = pool.submit(inflate, path, chunks.put, INFLATED_CHUNK)
             if while_reading is not None:
@@ -245,13 +248,18 @@ class PooledDecode(StreamedDecode):
         self.pool.submit(parts)
         return True
 
-    def _piece_texts(self) -> list[bytes]:
-        return [self.pool.text(k) for k in range(len(self.pool.paths))]
+    def finish(self) -> TraceDocument | None:
+        """The document, or None where the workers' pieces cannot make it (`read_document`'s caller then reads the
+        file whole: the pieces' text is not kept)."""
+        doc = None if self.whole or self.head is None else self._end()
+        return doc if doc is not None and doc.events is not None else None
 
     def _joined(self, last: list) -> PooledEvents | None:
         pieces = []
         for k, got in enumerate(self.pool.close()):
-            got = decoded_piece(self.pool.text(k)) if got is FAILED else got  # decoded here
+            if got is FAILED:  # no worker sent it back: decoded here if its text is still there
+                text = self.pool.text(k)
+                got = None if text is None else decoded_piece(text)
             if got is None:
                 return None
             pieces.append(got)
@@ -272,11 +280,13 @@ class DecodePool:
     process is served by a thread here that hands it the next piece (a file in shared memory) and reads its `Piece`
     back (`pickle`); `close` returns them in the order submitted (`FAILED` where none did it)."""
 
-    def __init__(self, count: int, text_size: int = 0) -> None:
-        self.folder = Path(tempfile.mkdtemp(prefix="fusionscope-pieces-", dir=_pieces_base(text_size)))
+    def __init__(self, count: int) -> None:
+        in_flight = 2 * count  # pieces written and not yet read: what the folder holds at most
+        self.folder = Path(tempfile.mkdtemp(prefix="fusionscope-pieces-", dir=_pieces_base(in_flight * INFLATED_CHUNK)))
+        self.room = threading.BoundedSemaphore(in_flight)
         self.todo: queue.SimpleQueue[tuple[int, Path] | None] = queue.SimpleQueue()
         self.results: list[object] = []
-        self.paths: list[Path] = []  # each piece's file, kept until `remove` (a piece a worker did not do is read)
+        self.paths: list[Path] = []  # each piece's file, removed once read (its worker's, or this process's)
         self.unwritten: dict[int, bytes] = {}  # pieces no file could hold (a full disk): decoded here
         self.children = [child for child in (_start() for _ in range(count - 1)) if child is not None]
         self.threads = [threading.Thread(target=self._serve, args=(child,), daemon=True) for child in self.children]
@@ -292,18 +302,29 @@ class DecodePool:
         path = self.folder / f"{k}.json"
         self.paths.append(path)
         self.results.append(FAILED)
+        self.room.acquire()  # at most `in_flight` pieces wait in the folder: the rest of the text waits inflated here
         try:
             with open(path, "wb") as f:
                 f.writelines(parts)
         except OSError:
+            self.room.release()
             path.unlink(missing_ok=True)
             self.unwritten[k] = b"".join(parts)
             return
         self.todo.put((k, path))
 
-    def text(self, k: int) -> bytes:
-        """The text of piece `k`."""
-        return self.unwritten[k] if k in self.unwritten else self.paths[k].read_bytes()
+    def text(self, k: int) -> bytes | None:
+        """The text of piece `k`, None where it is gone (read by a worker that then died)."""
+        if k in self.unwritten:
+            return self.unwritten[k]
+        with contextlib.suppress(OSError):
+            return self.paths[k].read_bytes()
+        return None
+
+    def _done(self, path: Path) -> None:
+        """A piece read: its file removed, its room given back."""
+        path.unlink(missing_ok=True)
+        self.room.release()
 
     def _serve(self, child: subprocess.Popen) -> None:
         """Hand the child pieces until none is left or it fails (its pieces stay FAILED)."""
@@ -314,7 +335,9 @@ class DecodePool:
                 child.stdin.flush()
                 self.results[k] = pickle.load(child.stdout)
             except Exception:
+                self.room.release()  # the piece stays FAILED; its file, if the worker had not read it, stays
                 return
+            self._done(path)
 
     def _serve_here(self) -> None:
         """Decode pieces in this process too, beside the workers: its main thread only cuts and writes the text,
@@ -322,7 +345,12 @@ class DecodePool:
         nothing and saves one interpreter's start (0.45 s of CPU)."""
         while (item := self.todo.get()) is not None:
             k, path = item
-            self.results[k] = decoded_piece(path.read_bytes())
+            try:
+                self.results[k] = decoded_piece(path.read_bytes())
+            except Exception:
+                self.room.release()
+                continue
+            self._done(path)
 
     def close(self, kill: bool = False) -> list[object]:
         """Each piece's `Piece` (None: no list of plain events; FAILED: none sent it), once every piece is done (with
@@ -332,6 +360,9 @@ class DecodePool:
             if kill:
                 for child in self.children:
                     child.kill()
+                with contextlib.suppress(queue.Empty):
+                    while True:  # the pieces not begun are not wanted: none is decoded after the kill
+                        self.todo.get_nowait()
             for _ in self.threads:
                 self.todo.put(None)
             for thread in self.threads:
@@ -354,11 +385,11 @@ class DecodePool:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def _pieces_base(text_size: int) -> Path | None:
-    """Where the pieces' files go: shared memory where it has room for the whole text (a container's `/dev/shm` is
-    often 64 MB), else the temporary folder (None: `tempfile`'s)."""
+def _pieces_base(held: int) -> Path | None:
+    """Where the pieces' files go: shared memory where it has room for twice what the folder holds at most (`held`
+    bytes; a container's `/dev/shm` is often 64 MB), else the temporary folder (None: `tempfile`'s)."""
     try:
-        if os.access(SHARED_MEMORY, os.W_OK) and shutil.disk_usage(SHARED_MEMORY).free > 2 * text_size:
+        if os.access(SHARED_MEMORY, os.W_OK) and shutil.disk_usage(SHARED_MEMORY).free > 2 * held:
             return SHARED_MEMORY
     except OSError:
         pass
@@ -392,5 +423,8 @@ def main() -> None:
             path = Path(pickle.load(source))
         except EOFError:
             return
-        pickle.dump(decoded_piece(path.read_bytes()), sink, protocol=pickle.HIGHEST_PROTOCOL)
-        sink.flush()
+        try:
+            pickle.dump(decoded_piece(path.read_bytes()), sink, protocol=pickle.HIGHEST_PROTOCOL)
+            sink.flush()
+        except BrokenPipeError:  # the parent is gone, or stopped the pool
+            return

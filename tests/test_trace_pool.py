@@ -7,6 +7,8 @@ from __future__ import annotations
 import gzip
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -111,13 +113,18 @@ EVENT = '{"ph": "X", "cat": "cpu_op", "name": "%s", "ts": %d, "dur": 1, "tid": %
 
 @pytest.mark.parametrize("name", ["a}, {b", "plain"])
 def test_a_cut_inside_a_string_falls_back_to_a_whole_decode(pooled: Path, tmp_path: Path, name: str) -> None:
-    """Names holding `}, {` make cuts where no event ends: such a piece is no list of events, so the whole text is
-    decoded here, with the same tables. Thread ids that no integer reads (names) get their ids over the whole."""
+    """Names holding `}, {` make cuts where no event ends: such a piece is no list of events, so the caller reads the
+    whole file again (`analyze.parse_trace`), with the same tables. Thread ids that no integer reads (names) get
+    their ids over the whole."""
     events = ", ".join(EVENT % (name, k, '"worker"' if k % 7 == 0 else k % 3, k) for k in range(3000))
     path = tmp_path / "odd.trace.json.gz"
     path.write_bytes(gzip.compress(('{"traceEvents": [' + events + "]}").encode()))
     doc = trace_pool.read_document(path)
-    assert isinstance(doc.events, trace_events.PooledEvents) == (name == "plain")
+    if name == "plain":
+        assert isinstance(doc.events, trace_events.PooledEvents)
+    else:
+        assert doc is None  # the pieces' text is not kept: the caller reads the file whole
+        _facts, doc = analyze.parse_trace(path)
     assert_same(parsed_tables(doc), whole(path))
     assert (trace_events.event_columns(doc.events)["tid"] == -2).sum() == len(range(0, 3000, 7))
 
@@ -203,3 +210,56 @@ def test_the_pieces_go_to_shared_memory_only_where_it_has_room(tmp_path: Path, m
     free = trace_pool.shutil.disk_usage(tmp_path).free
     assert trace_pool._pieces_base(free // 4) == tmp_path
     assert trace_pool._pieces_base(free) is None
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_gzipped_text_that_is_not_json_is_a_usage_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        workers: str) -> None:  # fmt: skip
+    monkeypatch.setattr(trace_pool, "POOL_FROM_BYTES", 0)
+    monkeypatch.setattr(trace_pool, "POOL_FROM_BYTES_MANY_CORES", 0)
+    monkeypatch.setenv(trace_pool.WORKERS_ENV, workers)
+    path = tmp_path / "t.trace.json.gz"
+    path.write_bytes(gzip.compress(b'{"traceEvents": [{"ph": "X"}, {"ph": nope}]}'))
+    with pytest.raises(analyze.UsageError, match="is not JSON"):
+        analyze.parse_trace(path)
+
+
+def test_a_stopped_pool_decodes_nothing_more_and_leaves_no_files(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Stopped with pieces queued (an interrupt, an error): none of them is decoded after, and no file stays."""
+    monkeypatch.setattr(trace_pool, "SHARED_MEMORY", tmp_path)
+    decoded: list[int] = []
+    go = threading.Event()
+
+    def slow(text: bytes) -> None:
+        go.wait(30)  # the first piece holds this process's thread until the queue is emptied
+        decoded.append(len(text))
+
+    monkeypatch.setattr(trace_pool, "decoded_piece", slow)
+    pool = trace_pool.DecodePool(1)  # this process's thread only
+    pool.room = threading.Semaphore(100)  # room for every piece: the queue is what this test is about
+    for _ in range(30):
+        pool.submit([b"[", b"x" * 1000, b"]"])
+    stopping = threading.Thread(target=pool.close, kwargs={"kill": True})
+    stopping.start()
+    for _ in range(3000):
+        if pool.todo.empty():
+            break
+        time.sleep(0.001)
+    go.set()
+    stopping.join(30)
+    pool.remove()
+    assert not stopping.is_alive() and len(decoded) <= 2 and not pool.folder.exists()
+
+
+def test_the_folder_holds_few_pieces(pooled: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    held: list[int] = []
+    real = trace_pool.DecodePool.submit
+
+    def submit(self: trace_pool.DecodePool, parts: list) -> None:
+        real(self, parts)
+        held.append(len(list(self.folder.iterdir())))
+
+    monkeypatch.setattr(trace_pool.DecodePool, "submit", submit)
+    assert isinstance(trace_pool.read_document(TRACES[1]).events, trace_events.PooledEvents)
+    assert len(held) > 20 and max(held) <= 2 * 2
