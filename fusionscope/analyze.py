@@ -16,7 +16,6 @@ steps, straggler, communication) and HTA's GPU idle time and launch statistics w
 from __future__ import annotations
 
 import dataclasses
-import gc
 import gzip
 import json
 import shutil
@@ -24,9 +23,8 @@ import tempfile
 import time
 import zlib
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -50,6 +48,7 @@ from fusionscope.table_writer import tables_beside
 from fusionscope.trace import GPU_CATS, Timeline
 from fusionscope.trace_events import distinct_objects
 from fusionscope.trace_fields import to_int
+from fusionscope.trace_pool import collector_paused
 
 TRACE_PHASE = "trace"  # the one phase of a trace without fusionscope.phase ranges
 TRACE_COPY = "trace.json.gz"  # the run folder's copy, named as `profile` names its trace
@@ -328,29 +327,6 @@ def _decoded(path: Path, decode: Callable[[], trace_events.TraceDocument]) -> tr
             return decode()
     except ValueError:  # JSONDecodeError and UnicodeDecodeError
         raise UsageError(f"{path} is not JSON") from None
-
-
-@contextmanager
-def collector_paused(paused: bool = True) -> Iterator[None]:
-    """Pause the cyclic garbage collector while a trace becomes millions of small objects that hold no cycles:
-    each collection it triggers walks all of them: `json.loads` of a 1M-event trace took 25.3 s with it running, 8.6 s
-    without (2-core CPU, 2026-12-01). `analyze` pauses it for the whole run: re-enabled between stages, the first
-    full collection after each walked every object still alive. With `paused` False, it runs meanwhile: an import
-    (`import_catalogue`) makes few objects but many cycles, and with the collector paused all of its objects would
-    still be young at the run's end, where the first collection walked them (0.3 s)."""
-    was = gc.isenabled()
-    _collector(not paused)
-    try:
-        yield
-    finally:
-        _collector(was)
-
-
-def _collector(running: bool) -> None:
-    if running:
-        gc.enable()
-    else:
-        gc.disable()
 
 
 def _gpu_name(properties: object, devices: list) -> str | None:

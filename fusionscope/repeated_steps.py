@@ -27,6 +27,7 @@ import pandas as pd
 
 from fusionscope import dataflow_nodes, opportunities, order_graph
 from fusionscope.fusions import Graph, Match, find_matches
+from fusionscope.trace_events import distinct_objects
 
 ORDER = ["step", "tid", "ts_us", "dur_us"]  # the order `order_graph.node_ops` walks a segment's ops in
 CONTENT = ("input_dims", "input_type", "concrete_inputs")  # argument lists: compared by their text
@@ -115,10 +116,7 @@ def _parents(ops: pd.DataFrame, frame: pd.DataFrame) -> np.ndarray | None:
 def _text_codes(values: np.ndarray) -> np.ndarray:
     """One code per distinct text (`repr`) of the values: each distinct object is written out once (`trace_events`
     shares one object per distinct argument list, so a 1M-event trace has a few hundred)."""
-    ids = np.fromiter(map(id, values.tolist()), dtype=np.int64, count=len(values))
-    codes, uniques = pd.factorize(ids)
-    first = np.empty(len(uniques), dtype=np.int64)
-    first[codes[::-1]] = np.arange(len(values) - 1, -1, -1)
+    codes, first = distinct_objects(values.tolist())
     texts = np.array([repr(values[i]) for i in first.tolist()], dtype=object)
     return pd.factorize(texts)[0][codes] if len(values) else codes
 

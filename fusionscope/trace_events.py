@@ -123,9 +123,14 @@ def distinct_objects(listed: list) -> tuple[np.ndarray, np.ndarray]:
     each one's first occurrence: what is computed per object is then computed once."""
     ids = np.fromiter(map(id, listed), dtype=np.int64, count=len(listed))
     codes, uniques = pd.factorize(ids)
-    first = np.empty(len(uniques), dtype=np.int64)
-    first[codes[::-1]] = np.arange(len(listed) - 1, -1, -1)
-    return codes, first
+    return codes, first_rows(codes, len(uniques))
+
+
+def first_rows(codes: np.ndarray, distinct: int) -> np.ndarray:
+    """The row of each code's first occurrence (codes 0 .. `distinct` - 1, as `pd.factorize` gives them)."""
+    first = np.empty(distinct, dtype=np.int64)
+    first[codes[::-1]] = np.arange(len(codes) - 1, -1, -1)
+    return first
 
 
 def _objects(values: Sequence) -> np.ndarray:
