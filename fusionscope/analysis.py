@@ -17,6 +17,7 @@ from fusionscope import roofline
 from fusionscope.gpu_replay import busy_us
 from fusionscope.ranks import NCCL_KERNEL_PREFIXES
 from fusionscope.trace import Timeline
+from fusionscope.trace_events import distinct_objects, first_rows, group_rows, value_codes
 
 HOST_BOUND_BELOW = 0.5  # GPU busy under half of a step's (unprofiled) wall time: the host sets the pace
 TOP_KERNELS = 15
@@ -50,13 +51,20 @@ def kernel_table(timeline: Timeline) -> pd.DataFrame:
     kernels["flops"] = kernels["flops"] * share
     kernels["bytes"] = kernels["bytes"] * share
     # Runtime copies and memsets outside any modeled op carry their byte count in the trace.
-    is_copy = kernels["name"].str.startswith(("Memcpy", "Memset"))
+    is_copy = _named(kernels["name"], ("Memcpy", "Memset"))
     from_arg = is_copy & kernels["bytes"].isna() & (kernels["bytes_arg"].fillna(-1) >= 0)
     kernels.loc[from_arg, "bytes"] = kernels.loc[from_arg, "bytes_arg"].astype(float)
     kernels.loc[from_arg, "flops"] = 0.0
     kernels.loc[is_copy & kernels["category"].isna(), "category"] = "copy"
     kernels["category"] = kernels["category"].fillna("other")
     return kernels.drop(columns=["bytes_arg"]).reset_index(drop=True)
+
+
+def _named(names: pd.Series, prefixes: tuple[str, ...]) -> pd.Series:
+    """Which names start with one of the prefixes (False where a name is missing), tested once per distinct name."""
+    codes, uniques = value_codes(names.to_numpy())
+    known = np.array([isinstance(u, str) and u.startswith(prefixes) for u in uniques] + [False], dtype=bool)
+    return pd.Series(known[codes], index=names.index)
 
 
 def _self_costs(costs: pd.DataFrame, parent: pd.Series, max_depth: int = 32) -> pd.DataFrame:
@@ -84,7 +92,11 @@ def _op_costs(ops: pd.DataFrame) -> pd.DataFrame:
 
     TensorList arguments (`cat`, `stack`) carry no dtype in the trace; they take the trace's dominant float dtype.
     """
-    dtypes = pd.Series([roofline.op_dtype(_as_list(t)) for t in ops["input_type"].head(5000)]).dropna()
+    head = ops["input_type"].to_numpy()[:5000]
+    seen, first = distinct_objects(head)  # each shared list once
+    per_object = np.empty(len(first), dtype=object)
+    per_object[:] = [roofline.op_dtype(_as_list(head[i])) for i in first.tolist()]
+    dtypes = pd.Series(per_object[seen], dtype=object).dropna()
     default = dtypes.mode().iat[0] if len(dtypes) else "float32"
     cache: dict[tuple, tuple] = {}
     codes, first = _distinct_arguments(ops)
@@ -107,11 +119,9 @@ def _distinct_arguments(ops: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     """Each op's code among the distinct (name, shapes, types, scalars) objects, by identity (a trace decoded by
     `trace_events` shares equal argument lists, so they are few), and the row of each one's first occurrence: the
     costs are computed per distinct combination, not in a Python loop over every op (0.66 s at 439k ops)."""
-    from fusionscope.trace_events import distinct_objects, first_rows
-
     combined, distinct = np.zeros(len(ops), dtype=np.int64), 0
     for column in ("name", "input_dims", "input_type", "concrete_inputs"):
-        part, part_first = distinct_objects(ops[column].tolist())
+        part, part_first = distinct_objects(ops[column].to_numpy())
         combined, uniques = pd.factorize(combined * len(part_first) + part)  # stays below ops² < 2**63
         distinct = len(uniques)
     return combined, first_rows(combined, distinct)
@@ -181,7 +191,7 @@ def summarize_phases(
             )
             frac = float(busy.median() / real_wall_us)
             # communication not hidden behind computation: busy time less the busy time of the other kernels
-            compute = ks[~ks["name"].astype(str).str.startswith(NCCL_KERNEL_PREFIXES)]
+            compute = ks[~_named(ks["name"], NCCL_KERNEL_PREFIXES)]
             compute_busy = _busy_per_step(compute).reindex(wall_us.index, fill_value=0.0)
             comm = busy - compute_busy
             summary.update(
@@ -230,13 +240,16 @@ def _top_kernels(ks: pd.DataFrame, n_steps: int) -> list[dict]:
     if ks.empty:
         return []
     total = ks["dur_us"].sum() or 1.0
-    codes, modules = pd.factorize(ks["module"].to_numpy(), use_na_sentinel=False)  # each distinct path once
-    ks = ks.assign(module_pattern=np.array([module_pattern(m) for m in modules] + [""], dtype=object)[codes])
-    grouped = ks.groupby(["name", "op", "category", "bound"], dropna=False)
-    top = grouped["dur_us"].sum().sort_values(ascending=False).head(TOP_KERNELS)
+    codes, modules = value_codes(ks["module"].to_numpy())  # each distinct path once; a missing one: ""
+    patterns = np.array([module_pattern(m) for m in modules] + [""], dtype=object)[codes]
+    sums, place = _kernel_sums(ks)
+    top = sums.reset_index(drop=True).sort_values(ascending=False).head(TOP_KERNELS)
+    measured = ks[["flops", "bytes", "achieved_frac"]]
     rows = []
-    for (name, op, category, bound), dur in top.items():
-        g = grouped.get_group((name, op, category, bound))
+    for k, dur in top.items():
+        name, op, category, bound = sums.index[k]
+        members = np.flatnonzero(place == k)
+        g = measured.iloc[members].assign(module_pattern=patterns[members])
         rows.append(
             {
                 "name": name,
@@ -254,6 +267,26 @@ def _top_kernels(ks: pd.DataFrame, n_steps: int) -> list[dict]:
             }
         )
     return rows
+
+
+TOP_KEYS = ["name", "op", "category", "bound"]  # what makes one row of `top_kernels`
+
+
+def _kernel_sums(ks: pd.DataFrame) -> tuple[pd.Series, np.ndarray]:
+    """`ks.groupby(TOP_KEYS, dropna=False)["dur_us"].sum()` and each row's place in it. Where every key is a string,
+    the rows are grouped by their group number (`trace_events.group_rows`) and the groups put in the keys' order:
+    pandas would hash every row's kernel name (long), and did for most of the summary's time."""
+    if any(pd.api.types.infer_dtype(ks[k].to_numpy(), skipna=False) != "string" for k in TOP_KEYS):
+        grouped = ks.groupby(TOP_KEYS, dropna=False)
+        return grouped["dur_us"].sum(), grouped.ngroup().to_numpy()
+    ids, first = group_rows(ks, TOP_KEYS)
+    labels = list(zip(*(ks[k].to_numpy()[first].tolist() for k in TOP_KEYS), strict=True))
+    order = sorted(range(len(labels)), key=labels.__getitem__)  # the groups in the keys' order, as groupby sorts
+    place = np.empty(len(order), dtype=np.int64)
+    place[order] = np.arange(len(order))
+    sums = ks["dur_us"].groupby(place[ids]).sum()
+    sums.index = pd.MultiIndex.from_tuples([labels[i] for i in order], names=TOP_KEYS)
+    return sums, place[ids]
 
 
 def _ratio(num: float, den: float) -> float | None:

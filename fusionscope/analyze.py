@@ -44,7 +44,7 @@ from fusionscope.run_folder import (
     finish_run_folder,
     staged_dir,
 )
-from fusionscope.table_writer import tables_beside
+from fusionscope.table_writer import tables_beside, writer_for
 from fusionscope.trace import GPU_CATS, Timeline
 from fusionscope.trace_events import distinct_objects
 from fusionscope.trace_fields import to_int
@@ -136,19 +136,21 @@ def _analyze_file(path: Path, out: str | Path | None, device: str | None, on_sta
     check_out_dir(out_dir)
     roofs, roof_missing = resolve_roofs(facts.gpu_name, facts.device_kind, device)
     note("joining kernels to ops and modules")
-    parsed = parse_rank(facts, doc)
-    del doc  # the decoded document is the largest thing in memory; the tables hold what is needed
-    timeline, missing = fill_steps_and_phases(parsed.timeline, parsed.annotations)
-    missing += unlaunched_missing(parsed)
-    record_ids = parsed.record_ids if et_path is not None else {}
-    note("costing and classifying kernels")
-    kernels = classify(kernel_table(timeline), roofs)
-    note("writing the tables (large ones by a second process, beside the next stages)")
-    with staged_dir(out_dir) as tmp, tables_beside(tmp, kernels, timeline.ops):
-        note("matching the fusion catalogue (dataflow inferred from op order and shapes, or the execution trace)")
-        found = match_catalogue(timeline, kernels, roofs, et_path, record_ids)
-        summary = summarize(facts, name, timeline, kernels, roofs, [*missing, *roof_missing], found)
-        finish_folder(tmp, summary, kernels, {TRACE_COPY: facts.path}, t_start, on_stage)
+    with writer_for(len(doc.events)) as writer:
+        parsed = parse_rank(facts, doc)
+        del doc  # the decoded document is the largest thing in memory; the tables hold what is needed
+        timeline, missing = fill_steps_and_phases(parsed.timeline, parsed.annotations)
+        missing += unlaunched_missing(parsed)
+        record_ids = parsed.record_ids if et_path is not None else {}
+        with staged_dir(out_dir) as tmp, tables_beside(tmp, timeline.ops, kernel_rows(timeline), writer) as hand_over:
+            note("costing and classifying kernels")
+            kernels = classify(kernel_table(timeline), roofs)
+            note("writing the tables (large ones by a second process, beside the next stages)")
+            hand_over(kernels)
+            note("matching the fusion catalogue (dataflow inferred from op order and shapes, or the execution trace)")
+            found = match_catalogue(timeline, kernels, roofs, et_path, record_ids)
+            summary = summarize(facts, name, timeline, kernels, roofs, [*missing, *roof_missing], found)
+            finish_folder(tmp, summary, kernels, {TRACE_COPY: facts.path}, t_start, on_stage)
     return Run(out_dir=out_dir, summary=summary, kernels=kernels)
 
 
@@ -436,6 +438,11 @@ def _no_value(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and (value != value or value == -1)
 
 
+def kernel_rows(timeline: Timeline) -> int:
+    """The rows `kernel_table` will have: one per kernel, on CPU timelines one per op."""
+    return len(timeline.kernels) if timeline.device_kind == "cuda" else len(timeline.ops)
+
+
 def kernel_table(timeline: Timeline) -> pd.DataFrame:
     """`analysis.kernel_table`, with the ops no cost model knows in category `other` on CPU timelines too (the GPU
     path already does this): without shapes every op is such an op, and a NaN category is no JSON."""
@@ -576,7 +583,7 @@ def fused_kernel_status(kernels: pd.DataFrame, opportunities: list[dict]) -> dic
 def dominant_dtype(ops: pd.DataFrame) -> str | None:
     """The float dtype most ops compute in (`roofline.op_dtype` of their recorded input types); None without
     shapes."""
-    listed = ops["input_type"].tolist()
+    listed = ops["input_type"].to_numpy()
     codes, first = distinct_objects(listed)  # by identity: `trace_events` shares equal lists
     per_object = np.empty(len(first), dtype=object)
     per_object[:] = [roofline.op_dtype(listed[i]) for i in first.tolist()]
@@ -650,7 +657,8 @@ def analyze_ranks(
             entry["path"] = summary["ranks"]["merged_from"]
     note("writing the tables")
     copies = {TRACE_COPY: first.facts.path, **{RANK_COPY.format(rank=rt.rank): rt.facts.path for rt in traces[1:]}}
-    with staged_dir(out_dir) as tmp, tables_beside(tmp, kernels, ops):
+    with staged_dir(out_dir) as tmp, tables_beside(tmp, ops, len(kernels)) as hand_over:
+        hand_over(kernels)
         finish_folder(tmp, summary, kernels, copies, t_start, on_stage)
     return Run(out_dir=out_dir, summary=summary, kernels=kernels)
 

@@ -29,7 +29,10 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
+
+from fusionscope.trace_events import group_rows
 
 INDUCTOR_KINDS = {"poi": "pointwise", "red": "reduction", "per": "persistent_reduction", "tem": "template",
                   "for": "foreach", "spl": "split_scan", "unk": "unknown"}  # fmt: skip
@@ -248,16 +251,16 @@ def recognise(kernels: pd.DataFrame) -> pd.DataFrame:
     kernels outside any step count as one step."""
     if kernels.empty:
         return pd.DataFrame(columns=RECOGNISED_COLUMNS)
-    table = kernels.assign(
+    table = kernels[["name", "dur_us"]].assign(
         phase=kernels["phase"].fillna("").astype(str) if "phase" in kernels else "",
         step=kernels["step"].fillna(-1) if "step" in kernels else -1,
         op=kernels["op"].fillna("").astype(str) if "op" in kernels else "",
     )
     steps = table.groupby("phase")["step"].nunique()
-    pairs = pd.MultiIndex.from_frame(table[["name", "op"]])
-    described = {key: _describe(*key) for key in pairs.unique()}
-    known = [key for key, info in described.items() if info is not None]
-    table = table[pairs.isin(known)] if len(known) < len(described) else table  # a frame per recognised group only
+    pair, first = group_rows(table, ["name", "op"])  # each distinct (name, op) once: names are long to hash
+    described = {key: _describe(*key) for key in zip(*(table[c].to_numpy()[first].tolist() for c in ("name", "op")))}
+    known = np.fromiter((info is not None for info in described.values()), dtype=bool, count=len(described))[pair]
+    table = table if known.all() else table[known]  # a frame per recognised group only
     rows = []
     for (name, op, phase), group in table.groupby(["name", "op", "phase"], sort=False):
         info = described[(name, op)]

@@ -134,7 +134,8 @@ def kernel_sums(kernels: pd.DataFrame, owner: pd.Series) -> pd.DataFrame:
     """Per node (index; -1 for kernels no node owns), the summed duration, bytes, FLOPs and count of its kernels
     (`owner`: op_id → node, `dataflow.op_owners`); NaN where none of its kernels has the figure."""
     return (
-        kernels.assign(node=kernels["op_id"].map(owner).fillna(-1).astype(np.int64), launches=1)
+        kernels[["dur_us", "bytes", "flops"]]  # not a copy of every column
+        .assign(node=kernels["op_id"].map(owner).fillna(-1).astype(np.int64), launches=1)
         .groupby("node")[["dur_us", "bytes", "flops", "launches"]]
         .sum(min_count=1)
     )

@@ -27,9 +27,10 @@ import pandas as pd
 
 from fusionscope import dataflow_nodes, opportunities, order_graph
 from fusionscope.fusions import Graph, Match, find_matches
-from fusionscope.trace_events import distinct_objects
+from fusionscope.trace_events import distinct_objects, value_codes
 
 ORDER = ["step", "tid", "ts_us", "dur_us"]  # the order `order_graph.node_ops` walks a segment's ops in
+ASCENDING = [True, True, True, False]
 CONTENT = ("input_dims", "input_type", "concrete_inputs")  # argument lists: compared by their text
 LABELS = ("name", "module", "phase")  # strings: compared by value
 MATCH_COLUMNS = ["fusion", "phase", "step", "module", "t_now_us", "bytes_now", "launches_now", "t_fused_us",
@@ -68,8 +69,12 @@ def segments(ops: pd.DataFrame) -> Segments | None:
     op's parent lies outside its segment (or several ranks are given)."""
     if "rank" in ops and ops["rank"].nunique() > 1:
         return None
-    frame = ops[ops["step"] >= 0].sort_values(ORDER, ascending=[True, True, True, False], kind="stable")
-    frame = frame.reset_index(drop=True)
+    stepped = ops["step"].to_numpy() >= 0
+    frame = ops if stepped.all() else ops[stepped]
+    if not _in_order([frame[c].to_numpy() for c in ORDER], ASCENDING):
+        frame = frame.sort_values(ORDER, ascending=ASCENDING, kind="stable")
+    if not frame.index.equals(pd.RangeIndex(len(frame))):
+        frame = frame.reset_index(drop=True)
     n = len(frame)
     step, tid = frame["step"].to_numpy(), frame["tid"].to_numpy()
     cut = np.flatnonzero((step[1:] != step[:-1]) | (tid[1:] != tid[:-1])) + 1 if n else np.zeros(0, np.int64)
@@ -84,7 +89,7 @@ def segments(ops: pd.DataFrame) -> Segments | None:
     local_parent = np.where(has_parent, parent - start[segment] if n else parent, -1)
     keys = np.column_stack([*(_text_codes(frame[c].to_numpy()) if c in frame else np.zeros(n, np.int64)
                               for c in CONTENT),
-                            *(pd.factorize(frame[c].to_numpy(), use_na_sentinel=True)[0] for c in LABELS),
+                            *(value_codes(frame[c].to_numpy())[0] for c in LABELS),
                             local_parent]).astype(np.int64)  # fmt: skip
     groups: dict[bytes, int] = {}
     group = np.empty(len(start) - 1, dtype=np.int64)
@@ -96,6 +101,20 @@ def segments(ops: pd.DataFrame) -> Segments | None:
             first.append(s)
         group[s] = g
     return Segments(frame, start, group, np.asarray(first, dtype=np.int64))
+
+
+def _in_order(columns: list[np.ndarray], ascending: list[bool]) -> bool:
+    """Whether the rows are already in the order a stable sort by these columns gives (then it is skipped: the join
+    leaves the ops of a one-thread trace in that order, and at a million events the filter, sort and copy took a
+    sixth of a second). NaN compares neither way: such rows are left to the sort."""
+    if not len(columns[0]):
+        return True
+    before, tie = np.zeros(len(columns[0]) - 1, dtype=bool), np.ones(len(columns[0]) - 1, dtype=bool)
+    for values, up in zip(columns, ascending, strict=True):
+        a, b = values[:-1], values[1:]
+        before |= tie & ((a < b) if up else (a > b))
+        tie &= a == b
+    return bool((before | tie).all())
 
 
 def _parents(ops: pd.DataFrame, frame: pd.DataFrame) -> np.ndarray | None:
@@ -116,7 +135,7 @@ def _parents(ops: pd.DataFrame, frame: pd.DataFrame) -> np.ndarray | None:
 def _text_codes(values: np.ndarray) -> np.ndarray:
     """One code per distinct text (`repr`) of the values: each distinct object is written out once (`trace_events`
     shares one object per distinct argument list, so a 1M-event trace has a few hundred)."""
-    codes, first = distinct_objects(values.tolist())
+    codes, first = distinct_objects(values)
     texts = np.array([repr(values[i]) for i in first.tolist()], dtype=object)
     return pd.factorize(texts)[0][codes] if len(values) else codes
 
@@ -182,17 +201,26 @@ def _templates(matches: list[Match], nodes: pd.DataFrame, rep_ops: pd.DataFrame,
     columns = opportunities.node_columns(nodes)
     peaks = {k: v for k, v in (roofs.get("tflops") or {}).items() if v}
     host = opportunities.HostSpans(rep_ops, owner_rep)
-    position = pd.Index(nodes["node"].to_numpy())
+    terms = [host.terms(list(m.nodes)) for m in matches]
+    # each kind of place looked up once for all matches: an index look-up per match cost more than the match
+    places = _looked_up(pd.Index(nodes["node"].to_numpy()), [list(m.nodes) for m in matches])
+    outer_rows = _looked_up(row_of_op, [outer for outer, _gaps in terms])
+    gap_rows = _looked_up(row_of_op, [[op for pair in gaps for op in pair] for _outer, gaps in terms])
     out = []
-    for m in matches:
-        places = position.get_indexer(list(m.nodes))
-        outer, gaps = host.terms(list(m.nodes))
-        outer_rows = row_of_op.get_indexer(outer) if outer else np.zeros(0, np.int64)
-        gap_rows = row_of_op.get_indexer([op for pair in gaps for op in pair]) if gaps else np.zeros(0, np.int64)
-        template = Template(m, node_place[places], seg.local(outer_rows), seg.local(gap_rows).reshape(-1, 2),
+    for m, at, outer, gaps in zip(matches, places, outer_rows, gap_rows, strict=True):
+        template = Template(m, node_place[at], seg.local(outer), seg.local(gaps).reshape(-1, 2),
                             opportunities.fixed_figures(m, columns, peaks))  # fmt: skip
-        out.append((m.fusion, int(seg.group[node_segment[places[0]]]), template))
+        out.append((m.fusion, int(seg.group[node_segment[at[0]]]), template))
     return out
+
+
+def _looked_up(index: pd.Index, keys: list[list[int]]) -> list[np.ndarray]:
+    """`index.get_indexer(k)` of each list of keys, in one look-up."""
+    if not keys:
+        return []
+    lengths = np.fromiter(map(len, keys), dtype=np.int64, count=len(keys))
+    found = index.get_indexer([key for part in keys for key in part]) if lengths.sum() else np.zeros(0, np.int64)
+    return np.split(found.astype(np.int64), np.cumsum(lengths)[:-1])
 
 
 def _estimate(templates: list[tuple[str, int, Template]], seg: Segments, owner: np.ndarray, base: np.ndarray,

@@ -6,10 +6,10 @@ classified), while the catalogue, the summary and the report still have to be ma
 nothing to do. Threads cannot share that work (it is Python code, under one interpreter lock), and a forked child
 can deadlock on a lock held by a thread of the parent's libraries (torch's pools, the reading thread): the child is a
 fresh interpreter, which imports this module only. The tables travel pickled through its stdin (about 60 MB at a
-million events, a tenth of a second each way) and it writes them with `write_tables`, so the files are the same bytes
-as when written here. Small tables are written here: starting an interpreter that imports pandas costs more than they
-take. A child that cannot start or exits with an error leaves the tables to be written here: its failure costs time,
-never the results.
+million events, a tenth of a second each way), ops.csv's as soon as the ops are final, and it writes them with
+`write_csv`, so the files are the same bytes as when written here. Small tables are written here: starting an
+interpreter that imports pandas costs more than they take. A child that cannot start or exits with an error leaves
+the tables to be written here: its failure costs time, never the results.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import csv
 import gc
 import io
 import pickle
+import queue
 import signal
 import subprocess
 import sys
@@ -68,6 +69,7 @@ CSV_ROWS = 1 << 16  # rows of a table formatted and written at a time
 
 
 FLOAT_FIELD = "%.6g".__mod__  # pandas' float_format="%.6g"
+DISTINCT_PROBE = 4096  # the first values of a column, whose share of distinct ones picks how it is formatted
 
 
 def _csv_fields(column: pd.Series) -> list[str] | None:
@@ -86,7 +88,7 @@ def _csv_fields(column: pd.Series) -> list[str] | None:
     if kind != "O" or not isinstance(column.dtype, np.dtype):
         return None
     listed = values.tolist()
-    codes, first = distinct_objects(listed)  # each object once, whatever it holds
+    codes, first = distinct_objects(values)  # each object once, whatever it holds
     if len(first) > 1000 and pd.api.types.infer_dtype(values, skipna=False) == "string":
         return _by_distinct(values, _csv_quoted)  # many string objects of few values (`bound`, `module`): by value
     fields = [_csv_quoted(v) if type(v) is str else _csv_quoted(_csv_text(v)) for v in map(listed.__getitem__, first)]
@@ -94,7 +96,11 @@ def _csv_fields(column: pd.Series) -> list[str] | None:
 
 
 def _by_distinct(values: np.ndarray, field: Callable[[object], str]) -> list[str]:
-    """`field` of each value, computed once per distinct value (NaN: empty)."""
+    """`field` of each value, computed once per distinct value (NaN: empty); value by value where the first values
+    are mostly distinct (ids, timestamps: hashing them saves nothing, and took half of such a column's time)."""
+    head = values[:DISTINCT_PROBE]
+    if 2 * len(pd.unique(head)) > len(head) and not (values.dtype.kind == "f" and np.isnan(values).any()):
+        return list(map(field, values.tolist()))
     codes, uniques = pd.factorize(values)
     fields = np.array([*map(field, np.asarray(uniques).tolist()), ""], dtype=object)  # code -1 (NaN): the last
     return fields[codes].tolist()
@@ -128,37 +134,75 @@ BESIDE_ROWS = 100_000  # rows of both tables together from which a child writes 
 
 
 @contextmanager
-def tables_beside(folder: Path, kernels: pd.DataFrame, ops: pd.DataFrame) -> Iterator[None]:
-    """kernels.csv and ops.csv are in `folder` when the block ends: written by a child process while the block runs
-    for tables of `BESIDE_ROWS` rows or more, else here before it (module docstring). An exception in the block
-    kills the child before it propagates, so that no file is written into a folder being removed."""
-    child = _start(folder, kernels, ops) if len(kernels) + len(ops) >= BESIDE_ROWS else None
+def tables_beside(folder: Path, ops: pd.DataFrame, kernel_rows: int, child: subprocess.Popen | None = None,
+                  ) -> Iterator[Callable[[pd.DataFrame], None]]:  # fmt: skip
+    """ops.csv and kernels.csv are in `folder` when the block ends; the block hands the kernels table, once made, to
+    the function it is given. Tables of `BESIDE_ROWS` rows or more (`ops` and the `kernel_rows` expected) are
+    written by a child process while the block runs (`child`, one `writer_for` started earlier, whatever their
+    size): ops.csv from the start, while the kernels are still costed, kernels.csv once handed over; smaller ones
+    here, once the kernels are handed over (module docstring). At a million events the child wrote for a third of
+    a second more than the rest of the run took when it began with the kernels. An exception in the block kills
+    the child before it propagates, so that no file is written into a folder being removed."""
+    if child is None and len(ops) + kernel_rows >= BESIDE_ROWS:
+        child = _spawn()
     if child is None:
-        write_tables(folder, kernels, ops)
-        yield
+        yield lambda kernels: write_tables(folder, kernels, ops)
         return
+    sender = _Sender(child)
+    sender.send(folder / "ops.csv", ops)
+    given: list[pd.DataFrame] = []  # the kernels table, once handed over
+
+    def hand_over(kernels: pd.DataFrame) -> None:
+        given.append(kernels)
+        sender.send(folder / "kernels.csv", kernels)
+
     try:
-        yield
+        yield hand_over
     except BaseException:
         child.kill()
         child.wait()
         raise
+    sender.send(None, None)
     if child.wait() != 0:  # it said why on stderr
-        write_tables(folder, kernels, ops)
+        write_tables(folder, given[0], ops)
 
 
-def _start(folder: Path, kernels: pd.DataFrame, ops: pd.DataFrame) -> subprocess.Popen | None:
-    """The child writing the tables, sent their pickle on a thread (a pipe write releases the interpreter lock);
-    None where no interpreter can be started."""
+@contextmanager
+def writer_for(events: int) -> Iterator[subprocess.Popen | None]:
+    """The child for `tables_beside`, started now for a trace of `events` events (the tables' rows are fewer; None
+    below `BESIDE_ROWS`): its interpreter and imports (a third of a second) then run while this process joins the
+    trace, on the core the reading left idle. Killed when the block ends if it still runs (an error came before
+    `tables_beside` waited for it)."""
+    child = _spawn() if events >= BESIDE_ROWS else None
+    try:
+        yield child
+    finally:
+        if child is not None and child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def _spawn() -> subprocess.Popen | None:
+    """A child waiting for its tables on stdin; None where no interpreter can be started."""
     if not sys.executable:
         return None
     try:
-        child = subprocess.Popen(_command(), stdin=subprocess.PIPE)
+        return subprocess.Popen(_command(), stdin=subprocess.PIPE)
     except OSError:
         return None
-    payload = pickle.dumps((str(folder), kernels, ops), protocol=pickle.HIGHEST_PROTOCOL)
-    threading.Thread(target=_send, args=(child, payload), daemon=True).start()
-    return child
+
+
+class _Sender:
+    """Tables sent to the child, each pickled here as (path, table) and written to its stdin by a thread, in
+    order (a pipe write releases the interpreter lock, and this process does not wait for the child to read)."""
+
+    def __init__(self, child: subprocess.Popen) -> None:
+        self.queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        threading.Thread(target=_send, args=(child, self.queue), daemon=True).start()
+
+    def send(self, path: Path | None, table: pd.DataFrame | None) -> None:
+        """Queue a table for the child; a None path ends what it is sent."""
+        self.queue.put(None if path is None else pickle.dumps((str(path), table), protocol=pickle.HIGHEST_PROTOCOL))
 
 
 CHILD = "import sys; sys.path[:] = sys.argv[1:]; from fusionscope.table_writer import main; main()"
@@ -170,20 +214,26 @@ def _command() -> list[str]:
     return [sys.executable, *subprocess._args_from_interpreter_flags(), "-c", CHILD, *sys.path]
 
 
-def _send(child: subprocess.Popen, payload: bytes) -> None:
-    """Write the payload to the child and close its stdin; a child that died first is seen by its exit status."""
+def _send(child: subprocess.Popen, payloads: queue.SimpleQueue) -> None:
+    """Write each payload to the child until a None, then close its stdin; a child that died first is seen by its
+    exit status."""
     try:
         with child.stdin:
-            child.stdin.write(payload)
+            while (payload := payloads.get()) is not None:
+                child.stdin.write(payload)
     except OSError:
         pass
 
 
 def main() -> None:
-    """The child: write the tables it is sent (its imports made while the parent pickled them). The collector is
-    paused as in the parent: the unpickled tables are hundreds of thousands of objects and no cycles. An interrupt
-    is the parent's to handle (it stops the child)."""
+    """The child: write each table it is sent, as it comes (its imports made while the parent joined the trace). The
+    collector is paused as in the parent: the unpickled tables are hundreds of thousands of objects and no cycles.
+    An interrupt is the parent's to handle (it stops the child)."""
     gc.disable()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    folder, kernels, ops = pickle.loads(sys.stdin.buffer.read())
-    write_tables(Path(folder), kernels, ops)
+    while True:
+        try:
+            path, table = pickle.load(sys.stdin.buffer)
+        except EOFError:  # all sent
+            return
+        write_csv(table, Path(path))

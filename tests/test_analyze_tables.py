@@ -62,7 +62,8 @@ def test_an_error_in_the_block_stops_the_child(tmp_path: Path, monkeypatch: pyte
     the folder afterwards (a staged run folder is being removed then)."""
     monkeypatch.setattr(table_writer, "BESIDE_ROWS", 0)
     frame = pd.DataFrame({"a": np.arange(3), "b": ["x", "y", "z"]})
-    with pytest.raises(RuntimeError, match="stop"), table_writer.tables_beside(tmp_path, frame, frame):
+    with pytest.raises(RuntimeError, match="stop"), table_writer.tables_beside(tmp_path, frame, 3) as hand_over:
+        hand_over(frame)
         raise RuntimeError("stop")
     written = sorted(p.name for p in tmp_path.iterdir())
     time.sleep(1.0)  # a child still alive would have imported and written by now

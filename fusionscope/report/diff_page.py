@@ -14,7 +14,7 @@ from typing import Any
 import plotly.graph_objects as go
 
 from . import assets
-from .figures import _base_layout, plot_text
+from .figures import TEMPLATE, _base_layout, plot_text
 from .formatting import DASH, as_float, fmt_count, fmt_num, fmt_signed_pct, kernel_html, phase_slugs
 from .page import _empty, _esc, _figure_html, _mapping, _plotly_js, _section
 
@@ -180,7 +180,7 @@ def render_diff_page(result: Mapping[str, Any]) -> str:
     phases = _mapping(result.get("phases"))
     slugs = phase_slugs([str(p) for p in phases])
     fig = step_time_figure(phases)
-    chart = _figure_html(fig, "fig-diff-steps") if fig is not None else _empty("Neither run has a step time.")
+    chart = _figure_html(fig, "fig-diff-steps", TEMPLATE) if fig is not None else _empty("Neither run has a step time.")
     notes = "".join(f'<p class="note">{_esc(n)}</p>' for n in result.get("notes") or [])
     per_phase = []
     for name, ph in phases.items():

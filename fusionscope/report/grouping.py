@@ -9,11 +9,14 @@ plain mean of per-kernel ratios would let a thousand 2 µs kernels outvote one 5
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pandas as pd
+
+from fusionscope.trace_events import group_rows, value_codes
 
 NO_MODULE = "(no module)"
 ROOT_ID = "(all)"
@@ -49,19 +52,29 @@ def normalise_kernels(kernels: pd.DataFrame | None) -> pd.DataFrame:
     out["rank"] = out["rank"].fillna(0)
     out["step"] = out["step"].fillna(0)
     out["dur_us"] = out["dur_us"].fillna(0.0).clip(lower=0.0)
-    out["dtype"] = out["dtype"].str.removeprefix("torch.")
-    out["bound"] = out["bound"].where(out["bound"] != "", "unmodeled")
-    out["category"] = out["category"].where(out["category"] != "", "other")
+    out["dtype"] = _per_value(out["dtype"], lambda text: text.removeprefix("torch."))
+    out["bound"] = _per_value(out["bound"], lambda bound: bound or "unmodeled")
+    out["category"] = _per_value(out["category"], lambda category: category or "other")
     return out
 
 
 def _text(column: pd.Series) -> pd.Series:
-    """The column as strings, "" where missing. A column of strings (names, modules, categories: few distinct
-    values) is converted once per distinct value; any other is converted value by value, as `astype(str)` does."""
+    """The column as strings, "" where missing. A column of strings only (the analysis' own table) is kept as it
+    is; one of strings and missing values (names, modules, categories: few distinct values) is converted once per
+    distinct value; any other is converted value by value, as `astype(str)` does."""
+    if column.dtype == object and pd.api.types.infer_dtype(column.to_numpy(), skipna=False) == "string":
+        return column
     codes, uniques = pd.factorize(column.to_numpy(dtype=object, na_value=None), use_na_sentinel=True)
     if all(type(u) is str for u in uniques.tolist()):
         return pd.Series(np.asarray([*uniques.tolist(), ""], dtype=object)[codes], index=column.index, name=column.name)
     return column.astype(object).where(column.notna(), "").astype(str)
+
+
+def _per_value(column: pd.Series, func: Callable[[str], str]) -> pd.Series:
+    """`func` of each value of a column of strings, called once per distinct value."""
+    codes, uniques = value_codes(column.to_numpy())
+    return pd.Series(np.asarray([func(u) for u in uniques.tolist()], dtype=object)[codes], index=column.index,
+                     name=column.name)  # fmt: skip
 
 
 def phase_order(summary: dict[str, Any], kernels: pd.DataFrame) -> list[str]:
@@ -135,23 +148,20 @@ def _aggregate(frame: pd.DataFrame, keys: list[str], steps: int) -> pd.DataFrame
     """Sum time, FLOPs and bytes per group and derive per-step and achieved figures from the sums."""
     modeled = frame["flops"].notna() & frame["bytes"].notna()
     has_frac = frame["achieved_frac"].notna()
-    work = frame.assign(
-        modeled_dur=frame["dur_us"].where(modeled, 0.0),
-        flops_m=frame["flops"].where(modeled, 0.0),
-        bytes_m=frame["bytes"].where(modeled, 0.0),
-        frac_dur=frame["dur_us"].where(has_frac, 0.0),
-        frac_x_dur=(frame["achieved_frac"] * frame["dur_us"]).where(has_frac, 0.0),
-    )
-    groups = work.groupby(keys, sort=False, dropna=False).agg(
-        calls=("dur_us", "size"),
-        dur_us=("dur_us", "sum"),
-        modeled_dur=("modeled_dur", "sum"),
-        flops=("flops_m", "sum"),
-        bytes=("bytes_m", "sum"),
-        frac_dur=("frac_dur", "sum"),
-        frac_x_dur=("frac_x_dur", "sum"),
-    )
-    groups = groups.reset_index()
+    work = pd.DataFrame({
+        "dur_us": frame["dur_us"],
+        "modeled_dur": frame["dur_us"].where(modeled, 0.0),
+        "flops": frame["flops"].where(modeled, 0.0),
+        "bytes": frame["bytes"].where(modeled, 0.0),
+        "frac_dur": frame["dur_us"].where(has_frac, 0.0),
+        "frac_x_dur": (frame["achieved_frac"] * frame["dur_us"]).where(has_frac, 0.0),
+    })  # fmt: skip
+    # Grouped by each row's group number (`trace_events.group_rows`), in the order `groupby(keys, sort=False)`
+    # gives, rather than by the key columns, which pandas hashes at every row (kernel names are long).
+    group, first = group_rows(frame, keys)
+    by_group = work.groupby(group, sort=False)
+    labels = frame[keys].iloc[first].reset_index(drop=True)
+    groups = pd.concat([labels, by_group.size().rename("calls"), by_group.sum()], axis=1).reset_index(drop=True)
     has_model = groups["modeled_dur"] > 0
     with np.errstate(divide="ignore", invalid="ignore"):
         groups["calls_per_step"] = groups["calls"] / steps
@@ -191,7 +201,7 @@ def roofline_points(frame: pd.DataFrame, max_points: int = 1500) -> RooflinePoin
     placeable = modeled & (frame["flops"] > 0) & (frame["bytes"] > 0) & (frame["dur_us"] > 0)
     zero = modeled & (frame["flops"] <= 0)
     rows = frame[placeable]
-    rows = rows.assign(leaf=[module.rpartition(".")[2] for module in rows["module"]])
+    rows = rows.assign(leaf=_per_value(rows["module"], lambda module: module.rpartition(".")[2]))
     points = _aggregate(rows, ROOFLINE_KEYS, steps) if not rows.empty else pd.DataFrame()
     folded = pd.DataFrame()
     if not points.empty:

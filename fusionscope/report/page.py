@@ -13,6 +13,7 @@ from functools import cache
 from typing import Any
 
 import pandas as pd
+import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
@@ -26,7 +27,7 @@ from .apply import (
     timing_table,
     tolerance_table,
 )
-from .figures import module_treemap_figure, roofline_figure, time_breakdown_figure
+from .figures import TEMPLATE, module_treemap_figure, roofline_figure, time_breakdown_figure
 from .formatting import (
     DASH,
     as_float,
@@ -61,6 +62,13 @@ def _plotly_js() -> str:
     return get_plotlyjs()
 
 
+@cache
+def _template_json(name: str) -> dict[str, Any]:
+    """The JSON of a registered template as a figure holds it once set (plotly's copy, whose keys are in another
+    order than the registered one's); shared by every figure, read only."""
+    return go.Figure(layout={"template": name}).to_dict()["layout"]["template"]
+
+
 def _esc(value: Any) -> str:
     """Escape any run-provided value for HTML text, showing missing values as a dash."""
     return html.escape(text_or_dash(value), quote=False)
@@ -71,11 +79,17 @@ def _mapping(value: Any) -> Mapping[str, Any]:
     return value if isinstance(value, Mapping) else {}
 
 
-def _figure_html(fig: Any, div_id: str) -> str:
-    """One figure as a div plus its Plotly.newPlot call, relying on the single plotly.js in <head>."""
+def _figure_html(fig: Any, div_id: str, template: str | None = None) -> str:
+    """One figure as a div plus its Plotly.newPlot call, relying on the single plotly.js in <head>. `template`: a
+    registered plotly template (`figures.TEMPLATE`), put into the figure's JSON in place of the default one as
+    plotly's `update_layout(template=...)` would have put it, made once per process instead of once per figure."""
     height = fig.layout.height or 450
+    spec = fig.to_dict()
+    if template is not None:
+        spec["layout"]["template"] = _template_json(template)
     return pio.to_html(
-        fig,
+        spec,
+        validate=False,
         full_html=False,
         include_plotlyjs=False,
         div_id=div_id,
@@ -350,7 +364,7 @@ def render_page(summary: Mapping[str, Any], kernels: pd.DataFrame | None) -> str
         by_category = _mapping(info.get("time_by_category_us")) or time_per_step_by(rows, "category")
         by_class = _mapping(info.get("time_by_class_us")) or time_per_step_by(rows, "bound")
         if by_category or by_class:
-            content = _figure_html(time_breakdown_figure(by_category, by_class), f"fig-time-{slug}")
+            content = _figure_html(time_breakdown_figure(by_category, by_class), f"fig-time-{slug}", TEMPLATE)
         else:
             content = _empty("No time breakdown recorded for this phase.")
         time_panels.append(_panel(name, content))
@@ -359,14 +373,14 @@ def render_page(summary: Mapping[str, Any], kernels: pd.DataFrame | None) -> str
             tree_panels.append(_panel(name, _empty("No kernels were recorded for this phase.")))
         else:
             tree = module_tree(rows, root_label=name)
-            tree_panels.append(_panel(name, _figure_html(module_treemap_figure(tree), f"fig-treemap-{slug}")))
+            tree_panels.append(_panel(name, _figure_html(module_treemap_figure(tree), f"fig-treemap-{slug}", TEMPLATE)))
 
         points = roofline_points(rows)
         fig = roofline_figure(points, roofs, str(model_dtype) if model_dtype else None)
         if fig is None:
             content = _empty("No kernel has a cost model and no roofs were measured.")
         else:
-            content = _figure_html(fig, f"fig-roofline-{slug}")
+            content = _figure_html(fig, f"fig-roofline-{slug}", TEMPLATE)
         roof_panels.append(_panel(name, content + _roofline_note(points)))
 
         table = top_kernels_table(f"table-{slug}", info.get("top_kernels"), kernel_stats(rows))
