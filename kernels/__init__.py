@@ -67,7 +67,7 @@ _PUBLIC: dict[str, str] = {  # public name -> module that defines it
     "w4a16_gemm": "w4a16_gemm", "w4a16_reference": "w4a16_gemm", "quantize_w4": "w4a16_gemm",
     "sample": "sample", "sample_reference": "sample", "kept_probs_reference": "sample",
     "fuse_linears": "horizontal", "FusedLinear": "horizontal",
-    "gemv": "gemv", "gemv_reference": "gemv",
+    "gemv": "gemv", "gemv_reference": "gemv", "gemv_gated": "gemv", "gemv_gated_reference": "gemv",
 }  # fmt: skip
 __all__ = sorted(_PUBLIC)
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from fusionscope.kernels.dispatch import launchable, new_output, pow2, run
+from fusionscope.kernels.pdl import launch_options, wait_for_previous
 from fusionscope.kernels.rounding import round_to
 from torch.library import triton_op
 
@@ -55,6 +56,7 @@ def _add_layer_norm_kernel(
     w2_ptr,  # SECOND: the second LayerNorm's (N,) weight, element stride stride_w2
     b2_ptr,  # SECOND: its (N,) bias, element stride stride_b2
     o2_ptr,  # SECOND: its (D0, D1, N) output; strides stride_o20, stride_o21, stride_o2n
+    a_ptr,  # ADDEND: (D0, D1, N) added to x first (GPT-NeoX's `mlp + attention`), strides stride_a0, ...
     D1,  # size of the second leading dim: row m is (m // D1, m % D1)
     N,
     eps,
@@ -77,11 +79,17 @@ def _add_layer_norm_kernel(
     stride_o20,
     stride_o21,
     stride_o2n,
+    stride_a0,
+    stride_a1,
+    stride_an,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SECOND: tl.constexpr,  # a second LayerNorm of the same sum (its own weight and bias, both present)
+    ADDEND: tl.constexpr,  # h = (x + addend) + residual, the inner sum rounded as eager's add rounds it
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = False,  # `pdl`: wait for the kernel before, then let the next one start
 ):
+    wait_for_previous(PDL)  # launched to overlap the kernel before (`pdl`)
     row = tl.program_id(0)
     i0 = (row // D1).to(tl.int64)
     i1 = (row % D1).to(tl.int64)
@@ -90,6 +98,9 @@ def _add_layer_norm_kernel(
     # both loads happen before any store, so the outputs may alias the inputs (in-place update)
     x = tl.load(x_ptr + i0 * stride_x0 + i1 * stride_x1 + cols * stride_xn, mask=mask).to(tl.float32)
     r = tl.load(r_ptr + i0 * stride_r0 + i1 * stride_r1 + cols * stride_rn, mask=mask).to(tl.float32)
+    if ADDEND:
+        a = tl.load(a_ptr + i0 * stride_a0 + i1 * stride_a1 + cols * stride_an, mask=mask).to(tl.float32)
+        x = round_to(x + a, ro_ptr.dtype.element_ty)
     h = round_to(x + r, ro_ptr.dtype.element_ty)  # the stored residual, rounded as eager's add rounds it
     tl.store(ro_ptr + i0 * stride_ro0 + i1 * stride_ro1 + cols * stride_ron, h.to(ro_ptr.dtype.element_ty), mask=mask)
     mean = tl.sum(h, axis=0) / N
@@ -143,7 +154,7 @@ def _add_layer_norm_op(
     out: torch.Tensor,
     residual_out: torch.Tensor,
 ) -> None:
-    _launch(x, residual, weight, bias, eps, out, residual_out, None)
+    _launch(x, residual, weight, bias, eps, out, residual_out, None, None)
 
 
 def _add_layer_norm_pair_op(
@@ -157,8 +168,9 @@ def _add_layer_norm_pair_op(
     out: torch.Tensor,
     out2: torch.Tensor,
     residual_out: torch.Tensor,
+    addend: torch.Tensor | None,
 ) -> None:
-    _launch(x, residual, weight, bias, eps, out, residual_out, (weight2, bias2, out2))
+    _launch(x, residual, weight, bias, eps, out, residual_out, (weight2, bias2, out2), addend)
 
 
 def _launch(
@@ -170,19 +182,21 @@ def _launch(
     out: torch.Tensor,
     residual_out: torch.Tensor,
     second: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    addend: torch.Tensor | None,
 ) -> None:
     (d0, d1, *sx), (_, _, *sr), (_, _, *so), (_, _, *sro) = (_rows_3d(t) for t in (x, residual, out, residual_out))
     w2, b2, out2 = second if second is not None else (x, x, out)
     _, _, *so2 = _rows_3d(out2)
+    _, _, *sa = _rows_3d(addend if addend is not None else x)
     n = x.shape[-1]
     block_n = pow2(n)
     launchable(_add_layer_norm_kernel)[(d0 * d1,)](
         x, residual, weight if weight is not None else x, bias if bias is not None else x, out, residual_out,
-        w2, b2, out2, d1, n, eps, *sx, *sr,
+        w2, b2, out2, addend if addend is not None else x, d1, n, eps, *sx, *sr,
         weight.stride(0) if weight is not None else 0, bias.stride(0) if bias is not None else 0,
-        *so, *sro, w2.stride(0) if second is not None else 0, b2.stride(0) if second is not None else 0, *so2,
-        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, SECOND=second is not None, BLOCK_N=block_n,
-        num_warps=_num_warps(block_n),
+        *so, *sro, w2.stride(0) if second is not None else 0, b2.stride(0) if second is not None else 0, *so2, *sa,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, SECOND=second is not None,
+        ADDEND=addend is not None, BLOCK_N=block_n, num_warps=_num_warps(block_n), **launch_options(out),
     )  # fmt: skip
 
 
@@ -223,22 +237,29 @@ def add_layer_norm_pair(
     weight2: torch.Tensor,
     bias2: torch.Tensor,
     eps: float,
+    addend: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Return (LN(h) * weight + bias, LN(h) * weight2 + bias2, h) for h = x + residual, in one launch.
+    """Return (LN(h) * weight + bias, LN(h) * weight2 + bias2, h) for h = x + residual, in one launch; with
+    `addend`, h = (x + addend) + residual, each sum rounded to the dtype as eager's two adds round them.
 
     Why: GPT-NeoX's parallel block normalises one residual twice, once for attention and once for the MLP, each with
     its own weight and bias; eager runs the add and two LayerNorms, reading h three times. Here the statistics are
     computed once and both outputs written from registers. Per row of N (size s): unfused 3·N·s (add) + 2·2·N·s
-    (two norms) = 7·N·s in three launches, fused 5·N·s in one. Same inputs and layout rules as `add_layer_norm`;
-    outputs freshly allocated (contiguous)."""
+    (two norms) = 7·N·s in three launches, fused 5·N·s in one. Its `hidden = mlp + attention + hidden` makes the
+    sum with two adds; `addend` takes the first too (one launch and 3·N·s less). Same inputs and layout rules as
+    `add_layer_norm` (the addend's as x's); outputs freshly allocated (contiguous)."""
     _check_inputs(x, residual, (("weight", weight), ("bias", bias), ("weight2", weight2), ("bias2", bias2)))
+    if addend is not None:
+        _check_inputs(x, addend, ())
     for name, t in (("weight", weight), ("bias", bias), ("weight2", weight2), ("bias2", bias2)):
         if t is None:
             raise ValueError(f"{name} is required: both LayerNorms take a weight and a bias")
     out, out2, h = new_output(x), new_output(x), new_output(x)
     _check_outputs(x, residual, (out, h))
+    if addend is not None:
+        _check_outputs(x, addend, (out, h))  # the addend's layout, under the same rule
     run("add_layer_norm_pair", _add_layer_norm_pair_op, x, residual, weight, bias, weight2, bias2, float(eps), out,
-        out2, h)  # fmt: skip
+        out2, h, addend)  # fmt: skip
     return out, out2, h
 
 
@@ -250,9 +271,10 @@ def add_layer_norm_pair_reference(
     weight2: torch.Tensor,
     bias2: torch.Tensor,
     eps: float,
+    addend: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Eager GPT-NeoX order: the add, then each LayerNorm of the sum."""
-    h = x + residual
+    """Eager GPT-NeoX order: the add (`x + addend + residual` with an addend), then each LayerNorm of the sum."""
+    h = x + residual if addend is None else x + addend + residual
     n = (h.shape[-1],)
     return F.layer_norm(h, n, weight, bias, eps), F.layer_norm(h, n, weight2, bias2, eps), h
 

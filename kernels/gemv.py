@@ -22,6 +22,14 @@ the dtype), and both are compared with a float64 reference in the tests.
 
 Only one row, at most WIDEST outputs: more rows (batched decode, prefill) and wider outputs (the LM head, a fused
 gate_up) go to `F.linear`, whose kernels are what those shapes want.
+
+Gated (`gemv_gated`): a GLU MLP's down_proj reads x = act(gate) * up, which `silu_and_mul` / `gelu_and_mul` write in
+a launch of their own just before it (~1.5–2 µs per layer of an H200 decode step in a CUDA graph). With `ACT` the
+kernel reads gate and up where it read x and computes x in its loop with those kernels' arithmetic and roundings (the
+activation in fp32, rounded to the dtype; times up, rounded again), so x is bit for bit what they write and the sums
+are the plain GEMV's, in its order: the fold changes no output. Its cost: each program computes the x it reads (the
+activation runs N / BLOCK_N times over, as every program reads all of x) and reads gate and up, twice x's bytes,
+mostly from L2; from HBM the pair's 4·I·s (gate, up in; x out and back) become 2·I·s. Not yet timed on a GPU.
 """
 
 from __future__ import annotations
@@ -35,11 +43,17 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from fusionscope.kernels.dispatch import Tunables, cdiv, launchable, run
+from fusionscope.kernels.gelu_and_mul import _gelu, gelu_and_mul_reference
 from fusionscope.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 from fusionscope.kernels.rounding import round_to
+from fusionscope.kernels.silu_and_mul import silu_and_mul_reference
 from torch.library import triton_op
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# `gemv_gated`'s activations -> the kernel's ACT (0: no prologue, x is read as it is); names as
+# `fusionscope.fusions.silu_and_mul.GLU_KERNELS` names them
+ACTIVATIONS = {"silu": 1, "gelu": 2, "gelu_tanh": 3}
+_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}  # F.gelu's `approximate` of each GELU
 
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -48,12 +62,38 @@ def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out + bias.double() if bias is not None else out
 
 
+def gemv_gated_reference(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                         activation: str = "silu") -> torch.Tensor:  # fmt: skip
+    """`gemv_reference` of x = act(gate) * up, all in float64 (no rounding of x): gate, up (..., K) → (..., N)."""
+    g = gate.double()
+    act = F.silu(g) if activation == "silu" else F.gelu(g, approximate=_APPROXIMATE[activation])
+    return gemv_reference(act * up.double(), weight, bias)
+
+
+def glu_in_dtype(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """x = act(gate) * up in eager torch, rounded as silu_and_mul and gelu_and_mul round it (the activation, then the
+    product, each to the dtype): `gemv_gated`'s x where its kernel does not run."""
+    if activation == "silu":
+        return silu_and_mul_reference(gate, up)
+    return gelu_and_mul_reference(gate, up, _APPROXIMATE[activation])
+
+
+@triton.jit
+def _glu(g, u, ACT: tl.constexpr, dtype: tl.constexpr):
+    """act(g) * u of fp32 `g` and `u` (dtype values), as silu_and_mul and gelu_and_mul compute and round it: the
+    activation in fp32 (silu as aten's x / (1 + exp(-x)), gelu as `_gelu`) rounded to `dtype`, times u, rounded again;
+    kept in fp32 (exact: a `dtype` value)."""
+    act = g / (1.0 + tl.exp(-g)) if ACT == 1 else _gelu(g, ACT == 3)
+    return round_to(round_to(act, dtype) * u, dtype)
+
+
 @triton.jit
 def _gemv_kernel(
-    x_ptr,  # (K,) activations, stride stride_xk
+    x_ptr,  # (K,) activations, stride stride_xk; with ACT, the gate
     w_ptr,  # (N, K) weight, strides stride_wn, stride_wk
     b_ptr,  # (N,) bias, stride stride_b; read only if HAS_BIAS
     out_ptr,  # (N,) output, stride stride_on
+    up_ptr,  # (K,) with ACT: up, stride stride_uk; else not read
     N,
     K,
     stride_xk,
@@ -61,6 +101,8 @@ def _gemv_kernel(
     stride_wk,
     stride_b,
     stride_on,
+    stride_uk,
+    ACT: tl.constexpr,  # 0: x as read; else x = act(gate) * up computed on the fly (`ACTIVATIONS`, `_glu`)
     HAS_BIAS: tl.constexpr,
     UPCAST: tl.constexpr,  # interpreter: round the output to bf16 by hand
     BLOCK_N: tl.constexpr,
@@ -79,7 +121,7 @@ def _gemv_kernel(
         gdc_launch_dependents()
     if PREFETCH:
         w = tl.load(w_rows + rk[None, :] * stride_wk, mask=n_ok[:, None] & (rk < K)[None, :], other=0.0)
-        if PDL and EARLY_W:  # W is a weight that no kernel writes: only x waits for the kernel before
+        if PDL and EARLY_W:  # W is a weight that no kernel writes: only x (gate and up) waits for the kernel before
             gdc_wait()
             gdc_launch_dependents()
         for k0 in range(0, K, BLOCK_K):
@@ -87,15 +129,21 @@ def _gemv_kernel(
             ahead = k + BLOCK_K  # past K: masked, no memory traffic
             w_next = tl.load(w_rows + ahead[None, :] * stride_wk, mask=n_ok[:, None] & (ahead < K)[None, :],
                              other=0.0)  # fmt: skip
-            xk = tl.load(x_ptr + k * stride_xk, mask=k < K, other=0.0)
-            acc += w.to(tl.float32) * xk.to(tl.float32)[None, :]
+            xk = tl.load(x_ptr + k * stride_xk, mask=k < K, other=0.0).to(tl.float32)
+            if ACT != 0:  # another kernel's output, like x: read after the wait
+                uk = tl.load(up_ptr + k * stride_uk, mask=k < K, other=0.0).to(tl.float32)
+                xk = _glu(xk, uk, ACT, out_ptr.dtype.element_ty)
+            acc += w.to(tl.float32) * xk[None, :]
             w = w_next
     else:
         for k0 in range(0, K, BLOCK_K):
             k = k0 + rk
             w = tl.load(w_rows + k[None, :] * stride_wk, mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
-            xk = tl.load(x_ptr + k * stride_xk, mask=k < K, other=0.0)
-            acc += w.to(tl.float32) * xk.to(tl.float32)[None, :]
+            xk = tl.load(x_ptr + k * stride_xk, mask=k < K, other=0.0).to(tl.float32)
+            if ACT != 0:
+                uk = tl.load(up_ptr + k * stride_uk, mask=k < K, other=0.0).to(tl.float32)
+                xk = _glu(xk, uk, ACT, out_ptr.dtype.element_ty)
+            acc += w.to(tl.float32) * xk[None, :]
     total = tl.sum(acc, axis=1)
     if HAS_BIAS:
         total += tl.load(b_ptr + rn * stride_b, mask=n_ok, other=0.0).to(tl.float32)
@@ -145,25 +193,40 @@ def schedule(N: int, K: int) -> tuple[int, int, int, int]:
     return TILES["narrow"] if narrow else TILES["wide"]
 
 
-def _gemv_op(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, constant_weight: bool
-) -> None:
-    """Writes x @ weight.T (+ bias) into out; x: (K,) any stride, weight: (N, K) any strides, out: (N,).
-    `constant_weight`: no kernel writes the weight (a Parameter), so under PDL its first tile loads before the wait."""
+def _launch(x: torch.Tensor, up: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
+            out: torch.Tensor, constant_weight: bool, act: int) -> None:  # fmt: skip
+    """The one launch of both ops: `act` 0 reads x as it is, else x is the gate and `up` is read beside it."""
     N, K = weight.shape
     block_n, block_k, num_warps, prefetch = schedule(N, K)
     block_k = min(block_k, max(16, 1 << (K - 1).bit_length()))
     block_n = min(block_n, max(16, 1 << (N - 1).bit_length()))
     pdl = launch_options(out)
     launchable(_gemv_kernel)[(cdiv(N, block_n),)](
-        x, weight, bias if bias is not None else out, out, N, K, x.stride(0), weight.stride(0), weight.stride(1),
-        bias.stride(0) if bias is not None else 0, out.stride(0), HAS_BIAS=bias is not None,
+        x, weight, bias if bias is not None else out, out, up if up is not None else x, N, K, x.stride(0),
+        weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0, out.stride(0),
+        up.stride(0) if up is not None else 0, ACT=act, HAS_BIAS=bias is not None,
         UPCAST=os.environ.get("TRITON_INTERPRET") == "1" and out.dtype == torch.bfloat16, BLOCK_N=block_n,
         BLOCK_K=block_k, PREFETCH=prefetch, EARLY_W=constant_weight and pdl["PDL"], num_warps=num_warps, **pdl,
     )  # fmt: skip
 
 
+def _gemv_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, constant_weight: bool
+) -> None:
+    """Writes x @ weight.T (+ bias) into out; x: (K,) any stride, weight: (N, K) any strides, out: (N,).
+    `constant_weight`: no kernel writes the weight (a Parameter), so under PDL its first tile loads before the wait."""
+    _launch(x, None, weight, bias, out, constant_weight, 0)
+
+
+def _gemv_gated_op(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   out: torch.Tensor, constant_weight: bool, activation: str) -> None:  # fmt: skip
+    """Writes (act(gate) * up) @ weight.T (+ bias) into out, x rounded as the GLU kernels write it; gate, up: (K,)
+    any strides; the rest as `_gemv_op`."""
+    _launch(gate, up, weight, bias, out, constant_weight, ACTIVATIONS[activation])
+
+
 triton_op("fusionscope::gemv", mutates_args={"out"})(_gemv_op)
+triton_op("fusionscope::gemv_gated", mutates_args={"out"})(_gemv_gated_op)
 
 
 # The widest output the kernel serves: from 16384 outputs on, cuBLAS streams the weight at the copy roof too
@@ -200,4 +263,31 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     # a Parameter is a weight no kernel of the step writes (`_gemv_op`); compiled launches take no PDL (`pdl`)
     constant = not torch.compiler.is_compiling() and type(weight) is torch.nn.Parameter
     run("gemv", _gemv_op, x.reshape(K), weight, bias, out.view(N), constant)
+    return out
+
+
+def gemv_gated(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               activation: str = "silu") -> torch.Tensor:  # fmt: skip
+    """`gemv(act(gate) * up, weight, bias)` in one launch: a GLU MLP's down_proj with the `silu_and_mul` (activation
+    "silu") or `gelu_and_mul` ("gelu": erf, "gelu_tanh") before it folded into its loop. gate, up (..., K), one row,
+    any strides (the two halves of a gate_up output are views); x is computed and rounded exactly as that kernel
+    writes it and summed as `gemv` sums, so the result is the pair's bit for bit (the tests check it in the
+    interpreter). Where `gemv` would call F.linear (`takes`), this is F.linear of x computed in eager torch with the
+    same roundings (`glu_in_dtype`: aten's activation, which may sit an ulp from the kernel's at a rounding tie, as
+    silu_and_mul's docstring says). Returns (..., N)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"gemv_gated: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    if up.shape != gate.shape or up.dtype != gate.dtype or up.device != gate.device:
+        raise ValueError(f"gemv_gated: gate and up must have one shape, dtype and device, got {tuple(gate.shape)} "
+                         f"{gate.dtype} on {gate.device} and {tuple(up.shape)} {up.dtype} on {up.device}")  # fmt: skip
+    if not takes(gate, weight):
+        return F.linear(glu_in_dtype(gate, up, activation), weight, bias)
+    N, K = weight.shape
+    if gate.shape[-1] != K:
+        raise ValueError(f"gemv_gated: gate has {gate.shape[-1]} inputs, the weight {K}")
+    if bias is not None and (bias.shape != (N,) or bias.dtype != gate.dtype):
+        raise ValueError(f"gemv_gated: bias must be ({N},) {gate.dtype}, got {tuple(bias.shape)} {bias.dtype}")
+    out = gate.new_empty((*gate.shape[:-1], N))
+    constant = not torch.compiler.is_compiling() and type(weight) is torch.nn.Parameter
+    run("gemv_gated", _gemv_gated_op, gate.reshape(K), up.reshape(K), weight, bias, out.view(N), constant, activation)
     return out

@@ -93,14 +93,19 @@ def rope_and_cache_reference(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     positions: torch.Tensor,
+    advance: bool = False,
 ) -> torch.Tensor:
     """HF's rotation followed by StaticCache.update: rotates q and k, writes k_rot and v into the caches at
-    `positions` IN PLACE (as the model does), and returns q_rot. Pass clones of the caches to keep the originals."""
+    `positions` IN PLACE (as the model does), and returns q_rot; with `advance`, then `positions.add_(S)` (the
+    counter). Pass clones of the caches to keep the originals."""
     q_rot, k_rot = rope_reference(q, k, cos, sin)  # see rope_reference
+    counter = positions
     if positions.dim() == 0:  # the first token's slot (StaticLayer: arange(S) + its write counter)
         positions = positions + torch.arange(k.shape[2], device=positions.device)
     k_cache.index_copy_(2, positions, k_rot)  # read n_k·s, write n_k·s
     v_cache.index_copy_(2, positions, v)  # read n_k·s, write n_k·s
+    if advance:
+        counter.add_(k.shape[2])
     return q_rot
 
 
@@ -267,6 +272,25 @@ def _rope_kernel(
 
 
 @triton.jit
+def _slot(pos_ptr, s, stride_pos, TICKETS, S, FROM_START: tl.constexpr, ADVANCE: tl.constexpr):
+    """Token s's cache slot. With ADVANCE the counter at pos_ptr is also advanced by S, in the launch that reads it
+    (a static cache's `counter.add_(S)` was a launch of its own per layer and step): each of the TICKETS programs that
+    reads it takes it with one atomic add of a ticket (1 << 32) and gets the slot from the low bits, and the program
+    that draws the last ticket adds S and takes the tickets back out. All those atomics hit one address, so they have
+    one order consistent with each program's own (coherence): every other program's read comes before the last
+    ticket, and the last program's correction after its own; no fence is needed. The counter stays below 2**32.
+    (The ticket is a literal: Inductor copies a user kernel's jit helpers, not the globals they read.)"""
+    if ADVANCE:
+        drawn = tl.atomic_add(pos_ptr, 4294967296, sem="relaxed")  # 1 << 32: a ticket
+        if drawn // 4294967296 == TICKETS - 1:
+            tl.atomic_add(pos_ptr, S - TICKETS.to(tl.int64) * 4294967296, sem="relaxed")
+        pos = drawn % 4294967296 + s
+    else:
+        pos = tl.load(pos_ptr + s * stride_pos).to(tl.int64) + (s if FROM_START else 0)
+    return pos
+
+
+@triton.jit
 def _rope_and_cache_kernel(
     q_ptr,  # (B, HQ, S, D) query, any strides
     k_ptr,  # (B, HK, S, D) new keys
@@ -326,6 +350,7 @@ def _rope_and_cache_kernel(
     BLOCK_D: tl.constexpr,
     FROM_START: tl.constexpr,  # pos_ptr holds the first token's slot; token s goes to slot + s (a slot outside
     # [0, S_MAX) is not written, either way)
+    ADVANCE: tl.constexpr = False,  # with FROM_START: pos_ptr (int64) is a write counter, advanced by S here
     PDL: tl.constexpr = False,  # `pdl`: wait for the kernel before, then let the next one start
 ):
     wait_for_previous(PDL)  # launched to overlap the kernel before (`pdl`)
@@ -345,7 +370,7 @@ def _rope_and_cache_kernel(
                 BLOCK_H, BLOCK_HALF, BLOCK_PASS, HAS_PASS, MUL_RN, WIDE,
             )  # fmt: skip
         else:
-            pos = tl.load(pos_ptr + s * stride_pos).to(tl.int64) + (s if FROM_START else 0)
+            pos = _slot(pos_ptr, s, stride_pos, tl.num_programs(0) * 2 * N_KBLOCKS, S, FROM_START, ADVANCE)
             if (pos >= 0) & (pos < S_MAX):
                 _rotate_heads(
                     k_ptr + b * stride_kb + s * stride_ks, kc_ptr + b * stride_kcb + pos * stride_kcs,
@@ -353,7 +378,7 @@ def _rope_and_cache_kernel(
                     HALF, PASS, BLOCK_H, BLOCK_HALF, BLOCK_PASS, HAS_PASS, MUL_RN, WIDE,
                 )  # fmt: skip
     else:
-        pos = tl.load(pos_ptr + s * stride_pos).to(tl.int64) + (s if FROM_START else 0)
+        pos = _slot(pos_ptr, s, stride_pos, tl.num_programs(0) * 2 * N_KBLOCKS, S, FROM_START, ADVANCE)
         if (pos >= 0) & (pos < S_MAX):
             _copy_heads(
                 v_ptr + b * stride_vb + s * stride_vs, vc_ptr + b * stride_vcb + pos * stride_vcs,
@@ -409,7 +434,7 @@ def _rope_op(
 triton_op("fusionscope::rope", mutates_args={"q_out", "k_out"})(_rope_op)
 
 
-def _rope_and_cache_op(
+def _launch_rope_and_cache(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -419,6 +444,7 @@ def _rope_and_cache_op(
     q_out: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    advance: bool,
 ) -> None:
     b, hq, s, d = q.shape
     hk = k.shape[1]
@@ -433,13 +459,44 @@ def _rope_and_cache_op(
         s, k_cache.shape[2], hq, hk, d, dr // 2, d - dr, n_qblocks, n_kblocks,
         *q.stride(), *k.stride(), *v.stride(), *_cos_sin_strides(cos), *_cos_sin_strides(sin),
         positions.stride(0) if positions.dim() else 0, *q_out.stride(), *k_cache.stride(), *v_cache.stride(),
-        **meta, BLOCK_D=pow2(d), FROM_START=positions.dim() == 0, num_warps=_num_warps(meta["BLOCK_H"],
-                                                                                      meta["BLOCK_HALF"]),
-        **launch_options(q_out),
+        **meta, BLOCK_D=pow2(d), FROM_START=positions.dim() == 0, ADVANCE=advance,
+        num_warps=_num_warps(meta["BLOCK_H"], meta["BLOCK_HALF"]), **launch_options(q_out),
     )  # fmt: skip
 
 
+def _rope_and_cache_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    q_out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> None:
+    _launch_rope_and_cache(q, k, v, cos, sin, positions, q_out, k_cache, v_cache, False)
+
+
+def _rope_and_cache_advance_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    counter: torch.Tensor,
+    q_out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> None:
+    """`rope_and_cache` from a 0-d int64 write counter, which the kernel advances by S (`_slot`)."""
+    _launch_rope_and_cache(q, k, v, cos, sin, counter, q_out, k_cache, v_cache, True)
+
+
 triton_op("fusionscope::rope_and_cache", mutates_args={"q_out", "k_cache", "v_cache"})(_rope_and_cache_op)
+triton_op("fusionscope::rope_and_cache_advance", mutates_args={"counter", "q_out", "k_cache", "v_cache"})(
+    _rope_and_cache_advance_op
+)
 
 
 def _check_rope_inputs(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -515,6 +572,7 @@ def rope_and_cache(
     v_cache: torch.Tensor,
     positions: torch.Tensor,
     out: torch.Tensor | None = None,
+    advance: bool = False,
 ) -> torch.Tensor:
     """Rotate q (returned) and k, and write the rotated k and the unrotated v into a static KV cache, in one launch.
 
@@ -527,6 +585,8 @@ def rope_and_cache(
     in [0, S_max): checked here when positions is a CPU tensor (no device sync); on the GPU the check would cost a
     sync, so an out-of-range slot is instead skipped by the kernel (never written out of bounds).
     out: optional (B, Hq, S, D) buffer for the rotated q (may be q itself). Returns it.
+    advance: with a 0-d int64 `positions` (the counter), also advance it by S in the same launch, as the cache's own
+    `counter.add_(S)` after the write would (one launch less per layer and step).
     """
     _check_rope_inputs(q, k, cos, sin)
     if v.shape != k.shape or v.dtype != k.dtype or v.device != k.device:
@@ -545,6 +605,9 @@ def rope_and_cache(
                          f"{positions.dtype}")  # fmt: skip
     if positions.device != q.device:
         raise ValueError(f"positions is on {positions.device}, q on {q.device}")
+    if advance and (positions.dim() != 0 or positions.dtype != torch.int64):
+        raise ValueError(f"advance needs a 0-d int64 counter as positions; got {tuple(positions.shape)} "
+                         f"{positions.dtype}")  # fmt: skip
     if positions.device.type == "cpu" and not torch.compiler.is_compiling():
         s_max = k_cache.shape[2]
         slots = positions + torch.arange(s) if positions.dim() == 0 else positions
@@ -555,5 +618,8 @@ def rope_and_cache(
     if out is None:
         out = new_output(q)
     _check_out("out", out, q)
-    run("rope_and_cache", _rope_and_cache_op, q, k, v, cos, sin, positions, out, k_cache, v_cache)
+    if advance:
+        run("rope_and_cache_advance", _rope_and_cache_advance_op, q, k, v, cos, sin, positions, out, k_cache, v_cache)
+    else:
+        run("rope_and_cache", _rope_and_cache_op, q, k, v, cos, sin, positions, out, k_cache, v_cache)
     return out

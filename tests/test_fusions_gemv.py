@@ -78,3 +78,22 @@ def test_layout_patch_runs_the_kernel_at_one_row_and_restores(monkeypatch) -> No
     assert 6 in rows and 1 in rows  # the prompt (F.linear inside gemv) and one row (the kernel)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
     torch.testing.assert_close(got_one, ref_one, atol=1e-4, rtol=0)
+
+
+def test_each_prologue_fold_is_its_pair_bit_for_bit() -> None:
+    """`gemv.GATED_PROLOGUES`: each one call computes what its pair did, called as `rewrite.fold_prologues` calls it
+    (the producer's arguments, then the GEMV's after x): SiLU's and both GELUs' GLU, then the GEMV of one row, gate
+    and up the halves of one gate_up row; fp32 and bf16."""
+    from fusionscope.fusions.gelu_and_mul import fused_gelu_and_mul
+    from fusionscope.fusions.silu_and_mul import fused_silu_and_mul
+
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        h = torch.randn(1, 1, 80, dtype=dtype)
+        gate, up = h[..., :40], h[..., 40:]
+        weight, bias = (torch.randn(24, 40) * 40**-0.5).to(dtype), torch.randn(24, dtype=dtype)
+        glu_args = {fused_silu_and_mul: [(gate, up)], fused_gelu_and_mul: [(gate, up, "none"), (gate, up, "tanh")]}
+        assert {producer for _consumer, producer in gemv.GATED_PROLOGUES} == set(glu_args)
+        for (consumer, producer), fold in gemv.GATED_PROLOGUES.items():
+            for args in glu_args[producer]:
+                assert torch.equal(fold(*args, weight, bias), consumer(producer(*args), weight, bias)), (fold, args)

@@ -27,7 +27,7 @@ BIND = {name for name, module in fusion_modules().items() if hasattr(module, "bi
 # words of the layout patchers' refusals: a graph patch never gives up because of a forward's source
 LAYOUT_WORDS = ("layout", "differs from", "is not a layout", "Llama-shape")
 KERNELS = ["rms_norm", "add_rms_norm", "silu_and_mul", "gelu_and_mul", "rope", "rope_and_cache", "linear_act",
-           "add_layer_norm", "add_layer_norm_pair", "decode_attention"]  # fmt: skip
+           "add_layer_norm", "add_layer_norm_pair", "decode_attention", "gemv_gated"]  # fmt: skip
 
 
 def test_the_catalogue_binds_the_documented_fusions() -> None:
@@ -109,15 +109,18 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> collections.Counter:
     """Counts calls of the bundled kernels. The graph's fused_* functions import their kernel from
     `fusionscope.kernels` at call time (the binding holds the fused_* function, not the kernel), so wrapping the
     package's attribute counts every launch the rewritten graph makes. An rms_norm launch that also adds a residual
-    (a post-norm's add, taken with the norm) counts under "rms_norm" and again under "rms_norm+residual"."""
+    (a post-norm's add, taken with the norm) counts under "rms_norm" and again under "rms_norm+residual"; an
+    add_layer_norm_pair launch that also makes the sum's first add, under "add_layer_norm_pair+addend". A GLU folded
+    into the down_proj's GEMV (`rewrite.fold_prologues`) counts under "gemv_gated"."""
     counts: collections.Counter = collections.Counter()
     for name in KERNELS:
         kernel = getattr(fusionscope.kernels, name)
 
         def counted(*args, _kernel: Callable = kernel, _name: str = name, **kwargs):
             counts[_name] += 1
-            if kwargs.get("residual") is not None:
-                counts[f"{_name}+residual"] += 1
+            for extra in ("residual", "addend"):
+                if kwargs.get(extra) is not None:
+                    counts[f"{_name}+{extra}"] += 1
             return _kernel(*args, **kwargs)
 
         monkeypatch.setattr(fusionscope.kernels, name, counted)
@@ -183,11 +186,12 @@ def test_every_bind_fusion_including_decode_attention_on_a_static_cache(family: 
         numerics.reference(patched, ids, 2, cache="static")
 
     where = [{"fusion": f, "module_paths": sites[f]} for f in found]
-    slots: list[int] = []  # the dims of each rope_and_cache call's positions: 0, the cache's write counter
+    slots: list[tuple[int, bool]] = []  # each rope_and_cache call's positions' dims (0: the cache's write counter)
+    # and whether the kernel advances that counter
     counted = fusionscope.kernels.rope_and_cache
 
     def recording(*args, **kwargs):
-        slots.append(args[7].dim())
+        slots.append((args[7].dim(), kwargs.get("advance", False)))
         return counted(*args, **kwargs)
 
     with patch(model, where, example=example) as r, pytest.MonkeyPatch.context() as mp:
@@ -201,9 +205,9 @@ def test_every_bind_fusion_including_decode_attention_on_a_static_cache(family: 
         assert calls["decode_attention"] == 2 * layers  # two decode steps, one launch per attention layer
         # rope takes the static cache's writes of k and v: one rope_and_cache per layer and forward (prefill too)
         assert calls["rope_and_cache"] == 3 * layers and calls["rope"] == 0, calls
-        # ... the slots read from the cache's write counter (a 0-d `positions`): StaticLayer's arange and add that
-        # make them per layer and forward are replaced too
-        assert slots == [0] * 3 * layers, slots
+        # ... the slots read from the cache's write counter (a 0-d `positions`), which the kernel advances:
+        # StaticLayer's arange and add that make them per layer and forward, and its add_, are replaced too
+        assert slots == [(0, True)] * 3 * layers, slots
         # OLMo-2's post-norms take their residual add (all but the last, whose add feeds the final norm): 3 a forward
         assert calls["rms_norm+residual"] == (3 * (2 * layers - 1) if family == "tiny-olmo2" else 0), calls
     fig = numerics.compare(test, ref)
@@ -214,8 +218,8 @@ def test_rewritten_llama_graph_calls_the_kernels(calls: collections.Counter) -> 
     # tiny-llama has 2 decoder layers: x += attn(input_layernorm(x)); x += mlp(post_attention_layernorm(x)), then
     # model.norm(x). The first input_layernorm has no add before it: one rms_norm. Every other norm follows a residual
     # add: layer 0's post-attention norm, layer 1's input and post-attention norms, and the final norm — 2·2 - 1 + 1
-    # = 4 add_rms_norm. One silu_and_mul per MLP and one rope per attention: 2 each. Prefill and decode alike. No
-    # rms_norm takes a residual ("rms_norm+residual" absent): a pre-norm's output feeds the projections, not an add.
+    # = 4 add_rms_norm. One silu_and_mul per MLP and one rope per attention: 2 each. Prefill and decode alike.
+    # No rms_norm takes a residual ("rms_norm+residual" absent): a pre-norm's output feeds the projections, not an add.
     per_forward = {"rms_norm": 1, "add_rms_norm": 4, "silu_and_mul": 2, "rope": 2}
     model, ids = lm("tiny-llama")
     ref_prefill, ref_decode, token = prefill_and_decode(model, ids)
@@ -255,9 +259,9 @@ def test_rewritten_llama_graph_calls_the_kernels(calls: collections.Counter) -> 
 
 def test_neoxs_two_norms_of_one_residual_are_one_launch(calls: collections.Counter) -> None:
     """GPT-NeoX's parallel block normalises the sum closing a layer twice (the next layer's attention and MLP norms,
-    each with its own weight and bias): one add_layer_norm_pair launch replaces the add and both. tiny-neox, per
-    forward: layer 1's pair; the final norm's single add_layer_norm; layer 0's two norms read the embeddings, no add,
-    and stay aten's."""
+    each with its own weight and bias): one add_layer_norm_pair launch replaces the add and both, and the sum's
+    first add (`mlp + attention`, then `+ hidden`) too. tiny-neox, per forward: layer 1's pair; the final norm's
+    single add_layer_norm; layer 0's two norms read the embeddings, no add, and stay aten's."""
     model, ids = lm("tiny-neox")
     ref_prefill, ref_decode, token = prefill_and_decode(model, ids)
     with patch(model, ["add_layer_norm"], example=decoding(ids, token)) as r:
@@ -268,6 +272,7 @@ def test_neoxs_two_norms_of_one_residual_are_one_launch(calls: collections.Count
         with torch.profiler.profile() as prof:
             prefill_and_decode(model, ids, token)
         assert calls["add_layer_norm_pair"] == 2 and calls["add_layer_norm"] == 2, calls  # prefill and decode
+        assert calls["add_layer_norm_pair+addend"] == 2, calls
         norms = [e for e in prof.events() if e.name == "aten::native_layer_norm"]
         assert len(norms) == 4, len(norms)  # layer 0's two norms, in the prompt's forward and the decode step's
         assert_logits_close(prefill, ref_prefill)
@@ -892,3 +897,156 @@ def test_a_module_reached_through_a_global_counts_as_the_enclosing_module() -> N
     assert module_path(node, "model") == "model.layers.0.self_attn"
     node.meta["nn_module_stack"] = {"c": ("G['mod'].rotary", nn.Module)}
     assert module_path(node, "model") == "model"
+
+
+# --------------------------------------------------------------------------------------------------------------- folds
+
+
+@pytest.fixture
+def rewrites(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, dict[str, str]]]:
+    """The `results` of each graph rewrite made while the test runs (with FOLDED, which a PatchResult leaves out)."""
+    from fusionscope.apply import rewrite
+
+    seen: list[dict[str, dict[str, str]]] = []
+    original = rewrite.rewrite_graph
+
+    def recorded(gm: torch.fx.GraphModule, fakes, prefix, sites, results, root="") -> None:
+        original(gm, fakes, prefix, sites, results, root)
+        seen.append(results)
+
+    monkeypatch.setattr(rewrite, "rewrite_graph", recorded)
+    return seen
+
+
+@pytest.fixture
+def folding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GLU folds switched on (they are opt-in: `fusionscope.fusions.gemv.PROLOGUES`)."""
+    from fusionscope.fusions import gemv as gemv_fusion
+
+    monkeypatch.setattr(gemv_fusion, "PROLOGUES", gemv_fusion.GATED_PROLOGUES)
+
+
+def folded_sites(rewrites: list[dict[str, dict[str, str]]]) -> dict[str, str]:
+    from fusionscope.apply.rewrite import FOLDED
+
+    return {site: how for results in rewrites for site, how in results.get(FOLDED, {}).items()}
+
+
+def test_llamas_silu_and_mul_folds_into_the_down_proj_gemv_at_decode(
+    calls: collections.Counter, rewrites: list, monkeypatch: pytest.MonkeyPatch, folding: None
+) -> None:
+    """tiny-llama, silu_and_mul and gemv patched: at decode each MLP's silu_and_mul, whose output only down_proj reads,
+    and down_proj's GEMV become one gemv_gated call (found on the graph's dataflow); the prompt's MLPs (8 rows: no
+    GEMV) keep their silu_and_mul. Both sites stay patched, the rewrite lists the fold under FOLDED, and the logits
+    are those of the same patch without the fold, bit for bit."""
+    from fusionscope.fusions import gemv as gemv_fusion
+
+    model, ids = lm("tiny-llama")
+    ref_prefill, ref_decode, token = prefill_and_decode(model, ids)
+    sites = find_sites(model)
+    where = [{"fusion": f, "module_paths": sites[f]} for f in ("silu_and_mul", "gemv")]
+    mlps = sorted(sites["silu_and_mul"])
+    assert mlps == ["model.layers.0.mlp", "model.layers.1.mlp"]
+
+    def run() -> tuple[dict[str, str], collections.Counter, tuple[torch.Tensor, torch.Tensor]]:
+        torch._dynamo.reset()  # the other run's graphs must not be reused
+        rewrites.clear()
+        with patch(model, where, example=decoding(ids, token)) as r:
+            assert r.skipped == {} and r.applied["silu_and_mul"] == mlps, r.skipped
+            assert sorted(r.applied["gemv"]) == sorted(sites["gemv"])
+            calls.clear()
+            prefill, decode, _ = prefill_and_decode(model, ids, token)
+            launched = collections.Counter(calls)
+        return folded_sites(rewrites), launched, (prefill, decode)
+
+    folded, launched, got = run()
+    assert folded == {m: f"silu_and_mul folded into the gemv call at {m}.down_proj" for m in mlps}, folded
+    assert launched["silu_and_mul"] == 2 and launched["gemv_gated"] == 2, launched  # the prompt's; the decode step's
+    monkeypatch.setattr(gemv_fusion, "PROLOGUES", {})
+    unfolded, launched, want = run()
+    assert unfolded == {} and launched["silu_and_mul"] == 4 and launched["gemv_gated"] == 0, launched
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert_logits_close(got[0], ref_prefill)
+    assert_logits_close(got[1], ref_decode)
+
+
+class GluMlp(nn.Module):
+    """A GLU MLP on odd sizes (hidden 32, intermediate 40, 24 out) with SiLU, or Gemma's tanh GELU; `second_reader`:
+    the GLU's output is also read by a second Linear."""
+
+    def __init__(self, act: str = "silu", second_reader: bool = False) -> None:
+        super().__init__()
+        self.gate, self.up = nn.Linear(32, 40), nn.Linear(32, 40)
+        self.down, self.side = nn.Linear(40, 24), nn.Linear(40, 24)
+        self.act, self.second_reader = act, second_reader
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.gate(x)
+        a = (F.silu(g) if self.act == "silu" else F.gelu(g, approximate="tanh")) * self.up(x)
+        y = self.down(a)
+        return y + self.side(a) if self.second_reader else y
+
+
+@pytest.mark.parametrize(("act", "glu"), [("silu", "silu_and_mul"), ("gelu_tanh", "gelu_and_mul")])
+def test_a_glu_read_by_one_gemv_folds_into_it(act: str, glu: str, calls: collections.Counter, rewrites: list,
+                                              folding: None, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """One row through a GLU MLP: the GLU kernel's call (SiLU's or GELU's) goes into the down projection's GEMV, one
+    gemv_gated launch; the output is the model's, and the unfolded patch's bit for bit."""
+    from fusionscope.fusions import gemv as gemv_fusion
+
+    torch.manual_seed(0)
+    model, x = GluMlp(act), torch.randn(1, 1, 32)
+    r, ref, got = graph_patch(model, x)
+    assert r.applied.get(glu) == ["GluMlp"] and "down" in r.applied.get("gemv", []), (r.applied, r.skipped)
+    assert folded_sites(rewrites) == {"GluMlp": f"{glu} folded into the gemv call at down"}
+    assert calls[glu] == 0 and calls["gemv_gated"] == 2, calls  # the example call, then ours
+    assert_logits_close(got, ref)
+    torch._dynamo.reset()
+    monkeypatch.setattr(gemv_fusion, "PROLOGUES", {})
+    _, _, unfolded = graph_patch(model, x)
+    assert calls[glu] == 2, calls
+    assert torch.equal(got, unfolded)
+
+
+def test_a_glu_output_with_two_readers_is_not_folded(calls: collections.Counter, rewrites: list, folding: None) -> None:
+    """The GLU's output read by two GEMVs must be written once for both: no fold, the GLU kernel runs."""
+    torch.manual_seed(0)
+    r, ref, got = graph_patch(GluMlp("silu", second_reader=True), torch.randn(1, 1, 32))
+    assert r.applied.get("silu_and_mul") == ["GluMlp"], (r.applied, r.skipped)
+    assert {"down", "side"} <= set(r.applied.get("gemv", [])), (r.applied, r.skipped)
+    assert folded_sites(rewrites) == {}
+    assert calls["silu_and_mul"] == 2 and calls["gemv_gated"] == 0, calls
+    assert_logits_close(got, ref)
+
+
+@pytest.mark.parametrize("write", [False, True], ids=["fold", "in-place-write-between"])
+def test_the_fold_on_a_hand_built_graph_and_across_an_in_place_write(write: bool, folding: None) -> None:
+    """`fold_prologues` alone: a GLU call whose output only a GEMV call reads becomes one call of both, computing the
+    same; with a write in place to the gate between them (`g.mul_(2)`) the one call would read the gate after the
+    write where the GLU read it before, so the pair stays."""
+    from fusionscope.apply import rewrite
+    from fusionscope.fusions import gemv as gemv_fusion
+    from fusionscope.fusions.silu_and_mul import fused_silu_and_mul
+
+    graph = torch.fx.Graph()
+    g, u, w = graph.placeholder("g"), graph.placeholder("u"), graph.placeholder("w")
+    x = graph.call_function(fused_silu_and_mul, (g, u))
+    if write:
+        graph.call_method("mul_", (g, 2.0))
+    y = graph.call_function(gemv_fusion.fused_gemv, (x, w, None))
+    graph.output(y)
+    gm = torch.fx.GraphModule(nn.Module(), graph)
+    results: dict[str, dict[str, str]] = {}
+    rewrite.fold_prologues(gm, {x: ("silu_and_mul", "mlp"), y: ("gemv", "mlp.down_proj")}, results)
+    gm.graph.lint()
+    gm.recompile()
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    if write:
+        assert targets == [fused_silu_and_mul, gemv_fusion.fused_gemv] and results == {}, targets
+        return
+    assert targets == [gemv_fusion.fused_gemv_silu], targets
+    assert results == {rewrite.FOLDED: {"mlp": "silu_and_mul folded into the gemv call at mlp.down_proj"}}
+    torch.manual_seed(0)
+    h, weight = torch.randn(1, 80), torch.randn(24, 40) * 40**-0.5
+    gate, up = h[:, :40], h[:, 40:]
+    assert torch.equal(gm(gate, up, weight), gemv_fusion.fused_gemv(fused_silu_and_mul(gate, up), weight, None))

@@ -292,16 +292,15 @@ def attention_forward(shape: AttentionShape, modeling: ModuleType, parts: dict[s
         layer = static_layer(cache, self.layer_idx) if cache is not None and rope_and_cache is not None else None
         if layer is not None and layer.keys.dtype == query.dtype:
             new_tokens = query.shape[1]
-            # One decode token's slot is the counter itself: a view, so no arange and add launch per layer
-            # (the counter advances after the kernel has read it).
+            # The counter is the first new token's slot, and the kernel advances it once every program has read it:
+            # no arange, add or add_ launch per layer.
             counter = layer.cumulative_length
-            if new_tokens == 1:
-                positions = counter.view(1)
-            else:
-                positions = torch.arange(new_tokens, device=counter.device) + counter
+            advance = counter.dim() == 0 and counter.dtype == torch.int64
+            positions = counter if advance else torch.arange(new_tokens, device=counter.device) + counter
             query = rope_and_cache(query.transpose(1, 2), key.transpose(1, 2), value, cos, sin, layer.keys,
-                                   layer.values, positions)  # fmt: skip
-            counter.add_(new_tokens)
+                                   layer.values, positions, advance=advance)  # fmt: skip
+            if not advance:
+                counter.add_(new_tokens)
             key, value = layer.keys, layer.values
         else:
             rotate = rope or modeling.apply_rotary_pos_emb

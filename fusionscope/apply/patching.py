@@ -36,6 +36,7 @@ class PatchResult:
     skipped_paths: dict[str, dict[str, str]] = field(default_factory=dict)  # fusion -> {path: reason}
     rewritten: list[str] = field(default_factory=list)  # fusions patched on the captured graph (from the dataflow)
     capture: str = ""  # why the captured-graph patch fell back to the layout patchers ('' when it did not)
+    folded: dict[str, str] = field(default_factory=dict)  # site -> which other site's call took its call in
 
     def note(self, fusion: str, path: str, support: Support) -> None:
         if support.ok:
@@ -174,6 +175,7 @@ def _graph_patch(patcher: Patcher, result: PatchResult, on_graph: dict[str, list
             result.note(fusion, path, Support.yes() if why == "" else Support.no(why))
         if fusion in result.applied:
             result.rewritten.append(fusion)
+    result.folded.update(outcome.get(rewrite.FOLDED, {}))
 
 
 def _sharded_ranks() -> bool:

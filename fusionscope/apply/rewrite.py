@@ -25,6 +25,8 @@ decoder layer and the next layer's input norm are one graph):
    that dispatched those ops are replaced by one call, inserted where every input exists and before any other reader
    of the outputs. A group is left unfused, with its reason, when an FX call spans its boundary (a traced call that
    computes both inside and outside the group), when an intermediate is read outside it, or when the bind refuses.
+   Then two placed calls that an entry lists as one (`PROLOGUES`: a GLU kernel whose output only a down_proj's GEMV
+   reads) become that one call (`fold_prologues`): a launch less, the same result; `results[FOLDED]` names the sites.
 4. **Run.** The backend returns the rewritten graph module: eager Python over the graph's calls, the bundled kernels
    among them (their eager lean launch path). `compile_fused` hands the rewritten graph to Inductor instead, where
    the kernels are `torch.library.triton_op`s (fake implementations from their launchers), so they compile without
@@ -55,6 +57,9 @@ from fusionscope import dataflow
 from fusionscope.fusions.base import Binding, Graph, In, Out
 
 OWNER = "rewrite"  # the Patcher's owner name of a captured module's forward
+# the results' entry {site: which fusion's call went into which other call} of the calls `fold_prologues` folded: their
+# sites stay patched ('' under their fusion); only this entry's values are descriptions, not reasons
+FOLDED = "folded"
 
 
 class CaptureFailed(Exception):
@@ -185,10 +190,11 @@ def _fake(mode: Any, value: Any) -> Any:
 # ------------------------------------------------------------------------------------------------------------ rewrite
 
 
-def replace_group(gm: fx.GraphModule, traced: Traced, binding: Binding, taken: dict[fx.Node, fx.Node | None]) -> str:
+def replace_group(gm: fx.GraphModule, traced: Traced, binding: Binding, taken: dict[fx.Node, fx.Node | None],
+                  placed: list[fx.Node] | None = None) -> str:  # fmt: skip
     """Replace the FX nodes behind `binding.nodes` with one call of `binding.call`; '' when done, else why not (the
     graph is then unchanged). `taken`: FX nodes earlier replacements removed → the node now standing for their
-    output (None: an intermediate); updated."""
+    output (None: an intermediate); updated. `placed`: gets the new call appended."""
     rows = set(binding.nodes)
     group = {traced.row_fx.get(r) for r in rows}
     if None in group:
@@ -238,6 +244,8 @@ def replace_group(gm: fx.GraphModule, traced: Traced, binding: Binding, taken: d
     anchor = list(gm.graph.nodes)[at]
     with gm.graph.inserting_after(anchor):
         call = gm.graph.call_function(binding.call, tuple(args))
+    if placed is not None:
+        placed.append(call)
     results = [call]
     if len(outputs) > 1:
         with gm.graph.inserting_after(call):
@@ -348,6 +356,43 @@ def _handed_over(traced: Traced, ref: In, group: set[fx.Node]) -> fx.Node | None
         ref = In(producer, 0, True)
 
 
+def fold_prologues(gm: fx.GraphModule, calls: dict[fx.Node, tuple[str, str]],
+                   results: dict[str, dict[str, str]]) -> None:  # fmt: skip
+    """Make each pair of placed calls that a catalogue entry's `PROLOGUES` lists ({(its call, the call that makes
+    that call's first argument): one call of both, on the second's arguments followed by the first's after it}) that
+    one call: a GLU kernel and the down_proj GEMV reading its output (`fusionscope.fusions.gemv`). Only where the
+    producer's output is read by that call alone, as its first argument alone, and no call between the two may write
+    in place (the one call, where the consumer stood, reads the producer's inputs later than it did). `calls`: each
+    placed call → (fusion, site), updated; `results[FOLDED][producer's site]` says where it went. Found on the graph's
+    dataflow (FX users), whatever the modules are called."""
+    from fusionscope.fusions import fusion_modules
+
+    folds: dict[tuple[Any, Any], Callable[..., Any]] = {}
+    for module in fusion_modules().values():
+        folds.update(getattr(module, "PROLOGUES", {}))
+    for consumer in list(calls):
+        producer = consumer.args[0] if consumer in calls and consumer.args else None
+        if not isinstance(producer, fx.Node) or producer not in calls:
+            continue
+        fold = folds.get((consumer.target, producer.target))
+        if fold is None or set(producer.users) != {consumer} or producer in consumer.args[1:]:
+            continue
+        if consumer.kwargs or producer.kwargs:
+            continue
+        nodes = list(gm.graph.nodes)
+        if any(_in_place(n) for n in nodes[nodes.index(producer) + 1 : nodes.index(consumer)]):
+            continue
+        with gm.graph.inserting_before(consumer):
+            both = gm.graph.call_function(fold, (*producer.args, *consumer.args[1:]))
+        consumer.replace_all_uses_with(both)
+        gm.graph.erase_node(consumer)
+        gm.graph.erase_node(producer)
+        fusion, site = calls.pop(consumer)
+        inner, inner_site = calls.pop(producer)
+        calls[both] = (fusion, site)
+        results.setdefault(FOLDED, {})[inner_site] = f"{inner} folded into the {fusion} call at {site}"
+
+
 def drop_dead(gm: fx.GraphModule, traced: Traced) -> None:
     """Remove the calls a replacement left without readers (a mask only the replaced attention read): only calls that
     dispatched ops, none of them writing in place. FX's own dead-code pass would also drop in-place method calls
@@ -365,13 +410,15 @@ def rewrite_graph(gm: fx.GraphModule, fakes: tuple[Any, list[Any], list[bool]], 
                   sites: dict[str, list[str]], results: dict[str, dict[str, str]], root: str = "") -> None:  # fmt: skip
     """Replace, in `gm`, the groups the finder matches on its dataflow at `sites` ({fusion: module paths}; a fusion
     with no paths: every site) with their kernels; `results[fusion][path]` gets '' (patched) or why not (a site
-    patched in one graph stays reported as patched)."""
+    patched in one graph stays reported as patched). Calls that fold into one (`fold_prologues`) are listed in
+    `results[FOLDED]`."""
     from fusionscope.fusions import find_matches, fusion_modules
 
     traced = trace_dataflow(gm, fakes, prefix, root)
     graph = Graph(traced.nodes)
     modules = fusion_modules()
     taken: dict[fx.Node, fx.Node | None] = {}
+    calls: dict[fx.Node, tuple[str, str]] = {}  # each call placed -> (fusion, site)
     matches = [m for m in find_matches(graph, among=sites) if not m.rejected]
     for fusion in modules:  # catalogue order, as the layout patchers
         for match in (m for m in matches if m.fusion == fusion):
@@ -379,12 +426,16 @@ def rewrite_graph(gm: fx.GraphModule, fakes: tuple[Any, list[Any], list[bool]], 
                 continue
             seen = results.setdefault(fusion, {})
             binding = modules[fusion].bind(graph, match)
-            why = binding if isinstance(binding, str) else replace_group(gm, traced, binding, taken)
+            placed: list[fx.Node] = []
+            why = binding if isinstance(binding, str) else replace_group(gm, traced, binding, taken, placed)
             while why and not isinstance(binding, str) and binding.fallback is not None:
                 binding = binding.fallback
-                why = replace_group(gm, traced, binding, taken)
+                why = replace_group(gm, traced, binding, taken, placed)
+            if not why:
+                calls[placed[-1]] = (fusion, match.anchor_module)
             if not seen.get(match.anchor_module):
                 seen[match.anchor_module] = why
+    fold_prologues(gm, calls, results)
     drop_dead(gm, traced)
     gm.graph.lint()
     gm.recompile()
@@ -400,7 +451,8 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
 @dataclass(frozen=True)
 class Patch:
     """What the patched forward now running asks of the graphs: the sites to patch and the captured module's path (how
-    its graph names modules); `results` collects, over the graphs this patch ran, per site '' (patched) or why not."""
+    its graph names modules); `results` collects, over the graphs this patch ran, per site '' (patched) or why not,
+    and under FOLDED the sites whose call another took in (`fold_prologues`)."""
 
     sites: dict[str, list[str]]
     prefix: str

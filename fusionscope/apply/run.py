@@ -430,6 +430,9 @@ def run_apply(
         row = {"fusion": fusion, "sites_found": len(sites[fusion]), "sites_patched": len(applied),
                "applied": applied, "skipped": patched.skipped.get(fusion, ""),
                "patched_by": "graph" if fusion in patched.rewritten else "layout" if applied else ""}  # fmt: skip
+        folded = {path: patched.folded[path] for path in applied if path in patched.folded}
+        if folded:  # patched, its call taken into another fusion's (`rewrite.fold_prologues`)
+            row["folded"] = folded
         if patched.capture:
             row["capture_fallback"] = patched.capture
             note(f"{fusion}: {patched.capture}; the layout patchers were used")

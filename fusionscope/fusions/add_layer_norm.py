@@ -62,7 +62,8 @@ def find(graph: Graph) -> list[Match]:
             continue
         norms = _pair(graph, residual, norm) or (norm,)
         taken.update(norms)
-        group = {add, residual, *norms}
+        inner = _inner_add(graph, add) if len(norms) == 2 and add == residual else None
+        group = {add, residual, *norms} | ({inner[0]} if inner else set())
         phase, step = graph.where(norm)
         matches.append(Match(KEY, phase, step, tuple(sorted(group)), graph.module[norm],
                              escaping=graph.escaping(group, {residual, *norms})))  # fmt: skip
@@ -85,10 +86,34 @@ def _pair(graph: Graph, residual: int, norm: int) -> tuple[int, int] | None:
     return (norm, others[0])
 
 
+def _inner_add(graph: Graph, add: int) -> tuple[int, int] | None:
+    """(the add that makes one operand of the residual add `add`, that operand's position) where the pair's kernel
+    can take it too (`add_layer_norm_pair`'s addend): GPT-NeoX's `mlp + attention + hidden`, whose first add is read
+    only by the second, tensor + tensor, alpha 1, one shape and dtype (no broadcast, no promotion). None otherwise."""
+    shapes, dtypes = graph.column("input_shapes", ()), graph.column("input_dtypes", ())
+    outer = tuple(tuple(s) for s in shapes.get(add) or ())
+    for position, inner in enumerate(graph.inputs.get(add, ())):
+        if inner < 0 or graph.only_consumer(inner) != add or not is_residual_add(graph, inner):
+            continue
+        if any(s.startswith("alpha=") and float(s.removeprefix("alpha=")) != 1.0
+               for s in graph.column("scalars", ()).get(inner) or ()):  # fmt: skip
+            continue
+        own = tuple(tuple(s) for s in shapes.get(inner) or ())
+        if (
+            len(own) == 2
+            and len(outer) == 2
+            and own[0] == own[1] == outer[0] == outer[1]
+            and len(set(dtypes.get(inner) or ()) | set(dtypes.get(add) or ())) == 1
+        ):
+            return inner, position
+    return None
+
+
 def bind(graph: Graph, match: Match) -> Binding | str:
     """One `add_layer_norm(a, b, weight, bias, ε)` in place of the residual add (and its clone) and the LayerNorm:
     its results replace the norm's output and the new residual. With two LayerNorms of the sum, one
-    `add_layer_norm_pair` replaces both."""
+    `add_layer_norm_pair` replaces both, and the add that made one operand of the sum (`_inner_add`) where the match
+    holds it."""
     norms = [n for n in match.nodes if graph.name.get(n) in LAYER_NORMS]
     norm = norms[0] if norms else -1
     residual = graph.producer(norm)
@@ -104,11 +129,18 @@ def bind(graph: Graph, match: Match) -> Binding | str:
     if not eps:
         return "ε is not a constant of the LayerNorm"
     args = (In(add, 0), In(add, 1), In(norm, 1), In(norm, 2), eps[-1])
-    single = Binding(fused_add_layer_norm, args, (norm, residual), tuple(n for n in match.nodes if n not in norms[1:]))
-    if len(norms) == 2:  # the pair, or where the graph refuses its wider span, the first norm alone
-        args = (*args[:4], In(norms[1], 1), In(norms[1], 2), eps[-1])
-        return Binding(fused_add_layer_norm_pair, args, (norm, norms[1], residual), match.nodes, fallback=single)
-    return single
+    inner = _inner_add(graph, add) if len(norms) == 2 else None
+    inner_node = inner[0] if inner is not None and inner[0] in match.nodes else -1
+    # the first norm alone (where the graph refuses the pair's wider span) leaves the sum's first add as it was
+    single = Binding(fused_add_layer_norm, args, (norm, residual),
+                     tuple(n for n in match.nodes if n not in norms[1:] and n != inner_node))  # fmt: skip
+    if len(norms) != 2:
+        return single
+    pair = (*args[:4], In(norms[1], 1), In(norms[1], 2), eps[-1])
+    if inner is not None and inner_node >= 0:  # the sum's first add too: its two operands, then the residual
+        position = inner[1]
+        pair = (In(inner_node, 0), In(add, 1 - position), *pair[2:], In(inner_node, 1))
+    return Binding(fused_add_layer_norm_pair, pair, (norm, norms[1], residual), match.nodes, fallback=single)
 
 
 def fused_add_layer_norm(a: Any, b: Any, weight: Any, bias: Any, eps: float) -> tuple[Any, Any]:
@@ -118,10 +150,10 @@ def fused_add_layer_norm(a: Any, b: Any, weight: Any, bias: Any, eps: float) -> 
 
 
 def fused_add_layer_norm_pair(a: Any, b: Any, weight: Any, bias: Any, weight2: Any, bias2: Any,
-                              eps: float) -> tuple[Any, Any, Any]:  # fmt: skip
+                              eps: float, addend: Any = None) -> tuple[Any, Any, Any]:  # fmt: skip
     from fusionscope.kernels import add_layer_norm_pair
 
-    return add_layer_norm_pair(a, b, weight, bias, weight2, bias2, eps)
+    return add_layer_norm_pair(a, b, weight, bias, weight2, bias2, eps, addend=addend)
 
 
 def micro_case(graph: Graph, match: Match) -> Case | None:

@@ -182,7 +182,8 @@ def bind(graph: Graph, match: Match) -> Binding | str:
     `cat` with an empty tensor is a copy per tensor and layer that the match alone would leave). Under a static cache
     the writes of the rotated k and of v go too: one `rope_and_cache` launch instead of a rope and two `index_copy_`
     (the finder leaves those writes out of the match, as the module docstring says); where the slots are the cache's
-    `arange(S) + counter` (`counter_slots`), those ops go too, and the kernel reads the counter as the first slot."""
+    `arange(S) + counter` (`counter_slots`), those ops go too: the kernel reads the counter as the first slot and
+    advances it (the counter's `add_` goes too)."""
     chains = [c for neg in sorted(match.nodes) if graph.name.get(neg) == "aten::neg" and
               (c := rope_chain(graph, neg, split=True)) is not None]  # fmt: skip
     if len(chains) != 2:
@@ -259,9 +260,18 @@ def static_cache_writes(graph: Graph, k_out: int) -> tuple[int, int] | None:
 def fused_rope_and_cache_counted(q: Any, k: Any, cos: Any, sin: Any, v: Any, k_cache: Any, v_cache: Any,
                                  counter: Any) -> tuple[Any, Any, Any, Any]:  # fmt: skip
     """`fused_rope_and_cache` with the slots read from the static cache's write counter on the device (token s at
-    counter + s), then the counter advanced by S as the cache does: the slots' arange and add are gone."""
-    q_rot, k_cache, v_cache = fused_rope_and_cache(q, k, cos, sin, v, k_cache, v_cache, counter)
-    return q_rot, k_cache, v_cache, counter.add_(k.shape[2])
+    counter + s), and the counter advanced by S as the cache does, by the same launch when it is a 0-d int64 (the
+    kernel's tickets, `kernels/rope.py: _slot`): the slots' arange and add and the counter's `add_` are gone."""
+    import torch
+
+    from fusionscope.kernels import rope_and_cache
+
+    if counter.dim() != 0 or counter.dtype != torch.int64:
+        q_rot, k_cache, v_cache = fused_rope_and_cache(q, k, cos, sin, v, k_cache, v_cache, counter)
+        return q_rot, k_cache, v_cache, counter.add_(k.shape[2])
+    if cos.dim() == 4:
+        cos, sin = cos.squeeze(1), sin.squeeze(1)
+    return rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, counter, advance=True), k_cache, v_cache, counter
 
 
 def fused_rope_and_cache(q: Any, k: Any, cos: Any, sin: Any, v: Any, k_cache: Any, v_cache: Any,

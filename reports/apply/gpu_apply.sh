@@ -47,7 +47,7 @@ for one in ${set_name//,/ }; do
     graphsneox) runs+=("pythia-6.9b --prompt-len 512 --decode-steps 64 --repeats 3 --graphs --graphs-only --graphs-together") ;;
     graphsstarcoder2) runs+=("starcoder2-7b --prompt-len 512 --decode-steps 64 --repeats 3 --graphs --graphs-only --graphs-together") ;;
     graphsllama) runs+=("llama-3.1-8b --prompt-len 512 --decode-steps 64 --repeats 3 --graphs --graphs-only --graphs-together") ;;
-    tests|host|silu|w4a16|w4a16apply|dabench|agree|nproc1) ;;
+    tests|kerneltests|gated|host|silu|w4a16|w4a16apply|dabench|agree|nproc1) ;;
     *) echo "unknown set $one"; exit 2 ;;
   esac
 done
@@ -60,6 +60,25 @@ if [[ ",$set_name," == *",tests,"* ]]; then
   (cd "$tests" && timeout 240 python3 -m pytest tests/test_patch_norms.py tests/test_patch_mlp_attention.py \
      tests/test_patch_gpt2_sampling.py -q -p no:cacheprovider -o pythonpath=. -x) > "$out/pytest_patch.log" 2>&1
   echo "patch tests rc=$?"; tail -5 "$out/pytest_patch.log"
+fi
+
+if [[ ",$set_name," == *",kerneltests,"* ]]; then
+  # The rope_and_cache kernel (its counter advanced by tickets, `kernels/rope.py: _slot`) and the PDL kernels
+  # compiled for this GPU and checked against their references, before the model runs use them.
+  tests=$(mktemp -d)
+  cp -r tests "$tests/"
+  (cd "$tests" && timeout 150 python3 -m pytest tests/kernels/test_rope.py tests/kernels/test_pdl.py -q \
+     -p no:cacheprovider -o pythonpath=. -x -k "advance or start_slot or pdl or PDL") > "$out/pytest_kernels.log" 2>&1
+  echo "kernel tests rc=$?"; tail -5 "$out/pytest_kernels.log"
+fi
+
+if [[ ",$set_name," == *",gated,"* ]]; then
+  # silu_and_mul folded into the down_proj GEMV against the pair (reports/gemv/gpu_gated.py); where the fold does
+  # not beat the pair on every shape, this call's model runs leave the pairs apart (FUSIONSCOPE_GEMV_PROLOGUE=0).
+  (cd "$work" && timeout 150 python3 "$repo/reports/gemv/gpu_gated.py" "$out/gated") > "$out/gated.log" 2>&1
+  grep -E '"kind": "(point|error)"|GATED' "$out/gated.log" | cut -c1-400
+  grep -q "GATED shipped beats the pair on every shape: True" "$out/gated.log" || export FUSIONSCOPE_GEMV_PROLOGUE=0
+  echo "FUSIONSCOPE_GEMV_PROLOGUE=${FUSIONSCOPE_GEMV_PROLOGUE:-1}"
 fi
 
 if [[ ",$set_name," == *",host,"* ]]; then

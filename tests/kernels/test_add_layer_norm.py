@@ -180,3 +180,27 @@ def test_add_layer_norm_pair_needs_both_weights_and_biases() -> None:
         add_layer_norm_pair(x, r, w, w, w, None, EPS)
     with pytest.raises(ValueError, match=r"weight2 must be a floating \(64,\)"):
         add_layer_norm_pair(x, r, w, w, w[:32], w, EPS)
+
+
+@pytest.mark.parametrize(("shape", "strided"), [((1, 123), False), ((2, 5, 200), True)])
+def test_add_layer_norm_pair_with_an_addend(shape: tuple[int, ...], strided: bool, dtype: torch.dtype,
+                                            monkeypatch) -> None:  # fmt: skip
+    """GPT-NeoX's `mlp + attention + hidden`: with `addend` the sum is made by both adds, each rounded as eager
+    rounds it (the stored residual equal to eager's bit for bit), and the norms read it; strided operands, odd
+    widths, NaN-poisoned outputs."""
+    module = sys.modules[add_layer_norm_pair.__module__]
+    monkeypatch.setattr(module, "new_output", lambda like: poisoned(tuple(like.shape), like.dtype))
+    n = shape[-1]
+    x, a, r = (randn(*shape, dtype=dtype, strided=strided) for _ in range(3))
+    w, b = _params(n, dtype, True)
+    w2, b2 = _params(n, dtype, True)
+    out, out2, h = add_layer_norm_pair(x, r, w, b, w2, b2, EPS, addend=a)
+    eager = add_layer_norm_pair_reference(x, r, w, b, w2, b2, EPS, addend=a)
+    assert torch.equal(h, eager[2])
+    assert_close(h, x.double() + a.double() + r.double(), dtype)
+    h64 = eager[2].double()  # the norms of the stored (rounded) sum, in float64
+    for got, weight, bias in ((out, w, b), (out2, w2, b2)):
+        assert_close(got, F.layer_norm(h64, (n,), weight.double(), bias.double(), EPS), dtype)
+    assert not torch.equal(h, add_layer_norm_pair(x, r, w, b, w2, b2, EPS)[2])  # the addend is not ignored
+    with pytest.raises(ValueError, match="same shape"):
+        add_layer_norm_pair(x, r, w, b, w2, b2, EPS, addend=a[..., :-1])

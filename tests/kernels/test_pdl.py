@@ -17,7 +17,8 @@ from fusionscope.kernels import pdl
 
 # the modules (the package's names are the public functions)
 MODULES = [importlib.import_module(f"fusionscope.kernels.{name}")
-           for name in ("add_rms_norm", "decode_attention", "gemv", "rms_norm", "rope", "silu_and_mul")]  # fmt: skip
+           for name in ("add_layer_norm", "add_rms_norm", "decode_attention", "gemv", "rms_norm", "rope",
+                        "silu_and_mul")]  # fmt: skip
 # gemv's weight tile may load before the wait: a Parameter no kernel writes (`EARLY_W`)
 LOADS_BEFORE_THE_WAIT = {"_gemv_kernel": {"w_rows"}}
 
@@ -36,7 +37,8 @@ def _pdl_kernels() -> list[Any]:
 def test_every_decode_kernel_takes_pdl() -> None:
     names = {k.fn.__name__ for k in _pdl_kernels()}
     expected = {"_gemv_kernel", "_add_rms_norm_kernel", "_rms_norm_kernel", "_silu_and_mul_flat_kernel",
-                "_rope_and_cache_kernel", "_decode_attention_kernel", "_decode_attention_combine_kernel"}  # fmt: skip
+                "_rope_and_cache_kernel", "_decode_attention_kernel", "_decode_attention_combine_kernel",
+                "_add_layer_norm_kernel"}  # fmt: skip
     assert expected <= names
 
 

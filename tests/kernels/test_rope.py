@@ -265,6 +265,39 @@ def test_rope_and_cache_from_a_start_slot(s: int, start: int, dtype: torch.dtype
     assert int(start_slot) == start  # read, not advanced: the counter's own add_ stays the model's
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize(("b", "hk", "s"), [(1, 2, 1), (2, 20, 3)], ids=["decode", "prefill-many-programs"])
+def test_rope_and_cache_advances_its_counter(b: int, hk: int, s: int, dtype: torch.dtype) -> None:
+    """`advance=True`: the kernel also adds S to the 0-d counter after every program has read it (the tickets in its
+    high bits), so two steps in a row write consecutive slots and leave the counter where StaticLayer's `add_` would;
+    with 20 kv heads, several head blocks per token (many programs draw tickets)."""
+    hq, d, s_max, start = 2 * hk, 40, 11, 3
+    cos, sin = _cos_sin(b, s, d, dtype)
+    k_cache, v_cache = (torch.full((b, hk, s_max, d), SENTINEL, dtype=dtype, device=device()) for _ in range(2))
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    counter, counter_ref = torch.tensor(start, device=device()), torch.tensor(start, device=device())
+    for step in range(2):
+        q, k, v = _heads_view(b, hq, s, d, dtype), _heads_view(b, hk, s, d, dtype), _heads_view(b, hk, s, d, dtype)
+        out = poisoned(q.shape, dtype)
+        rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, counter, out=out, advance=True)
+        q_ref = rope_and_cache_reference(q, k, v, cos, sin, k_ref, v_ref, counter_ref, advance=True)
+        assert int(counter) == int(counter_ref) == start + (step + 1) * s
+        assert_within_ulp(out, q_ref)
+        assert_within_ulp(k_cache, k_ref)
+        assert torch.equal(v_cache, v_ref)
+    assert (k_cache[:, :, :start] == SENTINEL).all() and (k_cache[:, :, start + 2 * s :] == SENTINEL).all()
+
+
+def test_rope_and_cache_advance_needs_a_0d_int64_counter() -> None:
+    dtype = torch.float32
+    q, k, v = randn(1, 2, 1, 64, dtype=dtype), randn(1, 2, 1, 64, dtype=dtype), randn(1, 2, 1, 64, dtype=dtype)
+    cos, sin = _cos_sin(1, 1, 64, dtype)
+    kc, vc = torch.zeros(1, 2, 4, 64, device=device()), torch.zeros(1, 2, 4, 64, device=device())
+    for positions in (torch.tensor([1], device=device()), torch.tensor(1, dtype=torch.int32, device=device())):
+        with pytest.raises(ValueError, match="advance needs a 0-d int64 counter"):
+            rope_and_cache(q, k, v, cos, sin, kc, vc, positions, advance=True)
+
+
 def test_rope_and_cache_kernel_skips_out_of_range_slots() -> None:
     """On the GPU positions are not checked on the host (it would cost a sync): the kernel writes no slot outside
     [0, S_max) and still writes the valid ones. Called through the op to bypass the host check."""
