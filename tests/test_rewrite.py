@@ -954,6 +954,7 @@ def test_llamas_silu_and_mul_folds_into_the_down_proj_gemv_at_decode(
         with patch(model, where, example=decoding(ids, token)) as r:
             assert r.skipped == {} and r.applied["silu_and_mul"] == mlps, r.skipped
             assert sorted(r.applied["gemv"]) == sorted(sites["gemv"])
+            assert r.folded == folded_sites(rewrites)  # what `patch` tells its caller (apply's site rows)
             calls.clear()
             prefill, decode, _ = prefill_and_decode(model, ids, token)
             launched = collections.Counter(calls)

@@ -264,25 +264,20 @@ def fused_rope_and_cache_counted(q: Any, k: Any, cos: Any, sin: Any, v: Any, k_c
     kernel's tickets, `kernels/rope.py: _slot`): the slots' arange and add and the counter's `add_` are gone."""
     import torch
 
-    from fusionscope.kernels import rope_and_cache
-
-    if counter.dim() != 0 or counter.dtype != torch.int64:
-        q_rot, k_cache, v_cache = fused_rope_and_cache(q, k, cos, sin, v, k_cache, v_cache, counter)
-        return q_rot, k_cache, v_cache, counter.add_(k.shape[2])
-    if cos.dim() == 4:
-        cos, sin = cos.squeeze(1), sin.squeeze(1)
-    return rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, counter, advance=True), k_cache, v_cache, counter
+    advance = counter.dim() == 0 and counter.dtype == torch.int64
+    q_rot, k_cache, v_cache = fused_rope_and_cache(q, k, cos, sin, v, k_cache, v_cache, counter, advance)
+    return q_rot, k_cache, v_cache, counter if advance else counter.add_(k.shape[2])
 
 
 def fused_rope_and_cache(q: Any, k: Any, cos: Any, sin: Any, v: Any, k_cache: Any, v_cache: Any,
-                         positions: Any) -> tuple[Any, Any, Any]:  # fmt: skip
+                         positions: Any, advance: bool = False) -> tuple[Any, Any, Any]:  # fmt: skip
     """`rope_and_cache`: q rotated (returned), the rotated k and v written into the static cache in place; the caches
     are returned too, standing for the two writes' results in the graph."""
     from fusionscope.kernels import rope_and_cache
 
     if cos.dim() == 4:
         cos, sin = cos.squeeze(1), sin.squeeze(1)
-    return rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, positions), k_cache, v_cache
+    return rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, positions, advance=advance), k_cache, v_cache
 
 
 def _unsqueezed(graph: Graph, mul: int, producer: int, match: Match) -> In:
