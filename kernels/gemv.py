@@ -254,16 +254,23 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     WIDEST outputs, mixed dtypes, a CPU tensor outside the interpreter) is `F.linear`'s. Returns (..., N)."""
     if not takes(x, weight):
         return F.linear(x, weight, bias)
+    out, constant = _checked_output("gemv", "x", x, weight, bias)
     N, K = weight.shape
-    if x.shape[-1] != K:
-        raise ValueError(f"gemv: x has {x.shape[-1]} inputs, the weight {K}")
-    if bias is not None and (bias.shape != (N,) or bias.dtype != x.dtype):
-        raise ValueError(f"gemv: bias must be ({N},) {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
-    out = x.new_empty((*x.shape[:-1], N))
-    # a Parameter is a weight no kernel of the step writes (`_gemv_op`); compiled launches take no PDL (`pdl`)
-    constant = not torch.compiler.is_compiling() and type(weight) is torch.nn.Parameter
     run("gemv", _gemv_op, x.reshape(K), weight, bias, out.view(N), constant)
     return out
+
+
+def _checked_output(name: str, what: str, x: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> tuple[torch.Tensor, bool]:  # fmt: skip
+    """`gemv`'s and `gemv_gated`'s operand checks (x, or the gate, named `what`), their output (..., N), and whether
+    the weight is constant: a Parameter no kernel of the step writes (`_gemv_op`; compiled launches take no PDL)."""
+    N, K = weight.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"{name}: {what} has {x.shape[-1]} inputs, the weight {K}")
+    if bias is not None and (bias.shape != (N,) or bias.dtype != x.dtype):
+        raise ValueError(f"{name}: bias must be ({N},) {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
+    constant = not torch.compiler.is_compiling() and type(weight) is torch.nn.Parameter
+    return x.new_empty((*x.shape[:-1], N)), constant
 
 
 def gemv_gated(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -282,12 +289,7 @@ def gemv_gated(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias:
                          f"{gate.dtype} on {gate.device} and {tuple(up.shape)} {up.dtype} on {up.device}")  # fmt: skip
     if not takes(gate, weight):
         return F.linear(glu_in_dtype(gate, up, activation), weight, bias)
+    out, constant = _checked_output("gemv_gated", "gate", gate, weight, bias)
     N, K = weight.shape
-    if gate.shape[-1] != K:
-        raise ValueError(f"gemv_gated: gate has {gate.shape[-1]} inputs, the weight {K}")
-    if bias is not None and (bias.shape != (N,) or bias.dtype != gate.dtype):
-        raise ValueError(f"gemv_gated: bias must be ({N},) {gate.dtype}, got {tuple(bias.shape)} {bias.dtype}")
-    out = gate.new_empty((*gate.shape[:-1], N))
-    constant = not torch.compiler.is_compiling() and type(weight) is torch.nn.Parameter
     run("gemv_gated", _gemv_gated_op, gate.reshape(K), up.reshape(K), weight, bias, out.view(N), constant, activation)
     return out
