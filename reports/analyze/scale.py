@@ -232,11 +232,15 @@ def verdict(rows: list[dict]) -> dict:
     slowest = min(r["events_per_s"] for r in rows)
     per_k = [r["mib_per_1k_events"] for r in rows]
     at_1m = next((r for r in rows if r["events"] >= 1_000_000), None)
+    # the target is a rate at 1M events; the smaller traces' rates are dominated by the interpreter's start and the
+    # imports (about 1 s whatever the size), so they are reported (events_per_s_min), not judged
+    rate = at_1m["events_per_s"] if at_1m else None
     return {
         "events_per_s_min": slowest,
+        "events_per_s_at_1m": rate,
         "events_per_s_target": TARGET_EVENTS_PER_S,
-        "throughput_met": slowest >= TARGET_EVENTS_PER_S,
-        "throughput_shortfall_x": round(TARGET_EVENTS_PER_S / slowest, 1) if slowest else None,
+        "throughput_met": rate >= TARGET_EVENTS_PER_S if rate else None,
+        "throughput_shortfall_x": round(TARGET_EVENTS_PER_S / rate, 2) if rate else None,
         "mib_per_1k_events_range": [min(per_k), max(per_k)],
         "marginal_mib_per_1k_events": marginal_mib_per_1k(rows),
         "peak_rss_mib_at_1m": at_1m["peak_rss_mib"] if at_1m else None,
