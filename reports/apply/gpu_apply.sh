@@ -47,6 +47,8 @@ for one in ${set_name//,/ }; do
     graphsneox) runs+=("pythia-6.9b --prompt-len 512 --decode-steps 64 --repeats 3 --graphs --graphs-only --graphs-together") ;;
     graphsstarcoder2) runs+=("starcoder2-7b --prompt-len 512 --decode-steps 64 --repeats 3 --graphs --graphs-only --graphs-together") ;;
     graphsllama) runs+=("llama-3.1-8b --prompt-len 512 --decode-steps 64 --repeats 3 --graphs --graphs-only --graphs-together") ;;
+    # a GELU MLP stack of the user's own (not a transformers model: one forward, no decode step, so no graphs)
+    gelu) runs+=("$repo/examples/gelu_mlp.py:factory_large --repeats 3") ;;
     tests|kerneltests|gated|host|silu|w4a16|w4a16apply|dabench|agree|nproc1) ;;
     *) echo "unknown set $one"; exit 2 ;;
   esac
@@ -123,6 +125,7 @@ pack() {
 first=1
 for run in "${runs[@]}"; do
   name=${run%% *}
+  [[ $name == */* ]] && name=$(basename "$name" | tr ':.' '--')  # a factory: its file and function name the folder
   tag="$name$(echo "${run#* }" | grep -o -- '--batch [0-9]*' | tr -d ' -')"
   [[ $run == *--graphs* ]] && tag="$tag-graphs"
   folder=$work/$tag
