@@ -5,7 +5,9 @@ Time now is measured: the kernels of the group's ops in the timed pass (a node o
 ops nested inside it, `dataflow.op_owners`). Fused time is analytic: max(bytes / copy bandwidth, FLOPs / peak) plus
 a floor for one launch on the GPU (the 5th percentile of the run's kernel durations: what the shortest kernels cost
 here). Fused bytes are counted on the dataflow: every tensor entering the group read once, every tensor leaving it
-— the intended outputs and any intermediate read outside the group — written once.
+— the intended outputs and any intermediate read outside the group — written once. An in-place row write into a
+buffer (`index_copy_(cache, dim, slots, rows)`, a static KV cache's update) moves its rows, not the buffer: its
+destination is not charged as read, and its output is charged at the rows' size (`ROW_WRITES`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ def _tensor_bytes(shape: tuple, dtype: str) -> int:
     return math.prod(shape) * ELEMENT_BYTES.get(str(dtype), 4)
 
 
+# in-place row writes → the input holding the rows written (input 0 is the buffer written into)
+ROW_WRITES = {"aten::index_copy_": 2}
+
+
 def fused_bytes(nodes: dict[str, dict], match: Match, outputs: set[int]) -> int:
     """Bytes a fused kernel must move for `match`: external inputs once each, intended and escaping outputs once.
     `nodes` maps a column name to {node id: value} (see `node_columns`)."""
@@ -53,16 +59,21 @@ def fused_bytes(nodes: dict[str, dict], match: Match, outputs: set[int]) -> int:
     seen: set[tuple] = set()
     total = 0
     for n in match.nodes:
+        rows = ROW_WRITES.get(nodes["name"][n])
         for i, (producer, shape, dtype) in enumerate(
             zip(nodes["inputs"][n], nodes["input_shapes"][n], nodes["input_dtypes"][n])
         ):
-            if producer in group:
+            if producer in group or (rows is not None and i == 0):
                 continue
             key = (producer, tuple(shape)) if producer >= 0 else (n, i)
             if key not in seen:
                 seen.add(key)
                 total += _tensor_bytes(tuple(shape), dtype)
     for n in outputs | set(match.escaping):
+        rows = ROW_WRITES.get(nodes["name"][n])
+        if rows is not None and len(nodes["input_shapes"][n]) > rows:
+            total += _tensor_bytes(tuple(nodes["input_shapes"][n][rows]), nodes["input_dtypes"][n][rows])
+            continue
         total += sum(_tensor_bytes(tuple(s), d) for s, d in zip(nodes["output_shapes"][n], nodes["output_dtypes"][n]))
     return total
 
@@ -73,8 +84,8 @@ def _group_outputs(consumers: dict[int, tuple], match: Match) -> set[int]:
     return {n for n in match.nodes if not consumers[n] or not set(consumers[n]) <= group}
 
 
-_NODE_COLUMNS = ("inputs", "input_shapes", "input_dtypes", "output_shapes", "output_dtypes", "consumers", "op_id",
-                 "is_view")  # fmt: skip
+_NODE_COLUMNS = ("name", "inputs", "input_shapes", "input_dtypes", "output_shapes", "output_dtypes", "consumers",
+                 "op_id", "is_view")  # fmt: skip
 
 
 class HostSpans:

@@ -4,7 +4,9 @@ from the step it captures."""
 
 from __future__ import annotations
 
+import collections
 import json
+import math
 from pathlib import Path
 
 import pandas as pd
@@ -100,3 +102,29 @@ def test_an_unknown_cache_is_one_line(tmp_path: Path, command: str) -> None:
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and "unknown --cache 'paged'" in lines[0]
     assert not (tmp_path / "x").exists()
+
+
+def test_rope_on_a_static_cache_takes_its_writes_and_counter_and_counts_rows_not_the_cache() -> None:
+    """What rope's graph binding replaces on a StaticCache — the k and v writes (`index_copy_`) and the slot
+    arithmetic from the cache's write counter (`arange`, `add`, the counter's `add_`) — is in the finder's match, so
+    the estimate counts those launches; and the fused kernel is charged the rows it writes, not the whole cache."""
+    from fusionscope import dataflow
+    from fusionscope.fusions import Graph, rope
+    from fusionscope.opportunities import _group_outputs, fused_bytes, node_columns
+
+    workload = models.build_workload(models.resolve_model("tiny-llama"), torch.device("cpu"), torch.float32,
+                                     prompt_len=8, decode_steps=2, cache="static")  # fmt: skip
+    nodes = dataflow.record_dataflow(workload).assign(op_id=-1)
+    graph = Graph(nodes)
+    decode = [m for m in rope.find(graph) if m.phase == "decode"]
+    assert decode
+    columns = node_columns(nodes)
+    for match in decode:
+        names = collections.Counter(graph.name[n] for n in match.nodes)
+        assert names["aten::index_copy_"] == 2, names
+        assert names["aten::arange"] == 1 and names["aten::add_"] == 1, names
+        assert not match.escaping and not match.rejected
+        written = fused_bytes(columns, match, _group_outputs(columns["consumers"], match))
+        caches = sum(math.prod(columns["output_shapes"][n][0]) * 4 for n in match.nodes
+                     if graph.name[n] == "aten::index_copy_")  # fmt: skip
+        assert 0 < written < caches / 2, (written, caches)  # a few rows of a 24-row cache, not the cache twice over

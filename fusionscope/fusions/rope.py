@@ -6,23 +6,26 @@ Pattern, on the dataflow, for each of q and k (x = the head-split projection):
 The q and k chains that share the same cos/sin (the `unsqueeze`s in the attention module, which join the group) and
 the same attention module are one match; a lone chain (only q or only k rotated) still matches. Where present, the
 "cache write" joins the group: the `aten::cat(past, new, dim=-2)` that consumes the rotated k (DynamicCache growing),
-and the `aten::cat` of v that follows it in the same module (same dim and shape). Per step: L matches (one per
-attention layer).
+and the `aten::cat` of v that follows it in the same module (same dim and shape); or a StaticCache's two
+`index_copy_` writes of k and v, with the slot arithmetic from the cache's write counter (`arange`, `add`, the
+counter's `add_`) where the slots come from it — all of which `bind` replaces. Per step: L matches (one per attention
+layer).
 
 How the cache write is counted: the cats are group nodes and their outputs are the group's intended outputs, so the
 generic byte accounting charges the fused kernel with reading the past cache and writing the grown one — what a
 DynamicCache costs, fused or not. A paged/static cache kernel writes only the new rows, so for the cache part the
-estimate is conservative by 2·(2·n_past)·kv_heads·d·s bytes per layer. Bytes per token (head dim d, size s, H query
-and K kv heads), rope part only: unfused ≈ 14·(H + K)·d·s (mul, 2 slices read, neg, cat, mul, add: each reads and
-writes), fused (H + K)·d·s read + (H + K)·d·s written + cos/sin.
+estimate is conservative by 2·(2·n_past)·kv_heads·d·s bytes per layer; a StaticCache's in-place writes are charged
+the rows they write (`opportunities.ROW_WRITES`). Bytes per token (head dim d, size s, H query and K kv heads), rope
+part only: unfused ≈ 14·(H + K)·d·s (mul, 2 slices read, neg, cat, mul, add: each reads and writes), fused
+(H + K)·d·s read + (H + K)·d·s written + cos/sin.
 
 Not in the group (misses): the cos/sin generation in `model.rotary_emb` (arange/mul/cat/cos/sin/casts, once per step
 and shared by all layers), the q/k/v projections and head-split views before the chains, partial rotary's split
 and re-join (`X[..., :Dr]`, `cat([rotated, X[..., Dr:]], -1)`: an extra copy per tensor, which the estimate leaves
 out, so it under-counts the win there; the graph patch does take it, see `bind`), GPT-NeoX/GPT-J interleaved
-rotation, Qwen3's q/k norms before the rope, and caches that write with `index_copy_`/`copy_` (StaticCache) — those
-stay separate ops. (The split stays out of the match because analyze's op-order inference cannot yet tell which of
-a fused qkv projection's three equal-width slices a partial-rotary split reads; the match must be the same there.)
+rotation, and Qwen3's q/k norms before the rope — those stay separate ops. (The split stays out of the match because
+analyze's op-order inference cannot yet tell which of a fused qkv projection's three equal-width slices a
+partial-rotary split reads; the match must be the same there.)
 """
 
 from __future__ import annotations
@@ -147,6 +150,17 @@ def _cache_write(graph: Graph, k_out: int) -> set[int]:
     return {k_cat}
 
 
+def _static_cache_write(graph: Graph, k: RopeChain) -> set[int]:
+    """StaticLayer's writes of the rotated k and of v (`static_cache_writes`, through the cast back to k's dtype where
+    there is one), and, where the slots are the cache's `arange(S) + counter`, the ops that make them and advance the
+    counter (`counter_slots`): what `bind` replaces besides the rotation, so that the estimate counts their launches."""
+    cast = _cast_back(graph, k)
+    writes = static_cache_writes(graph, cast or k.out) if cast is not None else None
+    if writes is None:
+        return set()
+    return {*writes, *(counter_slots(graph, *writes) or ()), *({cast} - {0})}
+
+
 def _views(graph: Graph, node: int, group: set[int], module: str) -> set[int]:
     """cos/sin's `unsqueeze` views in the attention module, when the group alone reads them."""
     own = graph.name.get(node) == "aten::unsqueeze" and graph.module.get(node) == module
@@ -164,7 +178,9 @@ def find(graph: Graph) -> list[Match]:
         for pair in (chains[i : i + 2] for i in range(0, len(chains), 2)):  # q then k, per attention call
             group = set().union(*(c.nodes for c in pair))
             outputs = {c.out for c in pair}
-            cache = _cache_write(graph, pair[-1].out) if len(pair) == 2 else set()
+            cache = (
+                (_cache_write(graph, pair[-1].out) or _static_cache_write(graph, pair[-1])) if len(pair) == 2 else set()
+            )
             if cache:
                 group |= cache
                 outputs = (outputs - {pair[-1].out}) | cache
