@@ -427,6 +427,8 @@ def apply(
     print_apply(run.summary["apply"])
     if run.summary["apply"].get("graphs"):
         print_graphs(run.summary["apply"]["graphs"])
+    if run.summary["apply"].get("compiled"):
+        print_compiled(run.summary["apply"]["compiled"])
     out.print(f"report: {run.report_path}   ({time.perf_counter() - t0:.1f} s in all)")
 
 
@@ -600,6 +602,25 @@ def floor_line(name: str, phase: dict) -> str:
     times = f"; eager runs at {step:.2f} ms/step, {step / floor['ms']:.2f}× the floor" if step else ""
     return (f"{name}: weight-streaming floor {floor['ms']:.2f} ms/step ({floor['bytes'] / 1e9:.2f} GB of weights and "
             f"KV cache at {floor['copy_gbps']:.0f} GB/s){times}")  # fmt: skip
+
+
+def print_compiled(result: dict) -> None:
+    """A one-forward workload's forward beside torch.compile and fused + compile (`apply.forward_compile`): wall ms
+    (median of the interleaved rounds), × eager, first call, peak memory and each compiled forward's check."""
+
+    def fmt(value: object, spec: str) -> str:
+        return "—" if value is None or value != value else format(value, spec)
+
+    table = Table(title=f"the forward beside torch.compile ({result.get('mode')}; medians of interleaved rounds)")
+    for col in ("variant", "wall ms", "× eager", "first call s", "peak MiB", "check"):
+        table.add_column(col, justify="left" if col in ("variant", "check") else "right",
+                         overflow="fold" if col == "check" else "ellipsis")  # fmt: skip
+    for name, row in result.get("variants", {}).items():
+        table.add_row(name, fmt(row.get("wall_ms"), ".2f"), fmt(row.get("speedup_vs_eager"), ".3f"),
+                      fmt(row.get("first_call_s"), ".1f"), fmt(row.get("peak_mib"), ".0f"),
+                      ("passed: " if row.get("passed") else "not timed: ") + (row.get("reason") or ""))  # fmt: skip
+    out.print(table)
+    out.print(f"fused + compile vs torch.compile {fmt(result.get('fused_compile_vs_compile'), '.3f')}×")
 
 
 def print_graphs(result: dict) -> None:

@@ -92,6 +92,7 @@ def test_the_graph_stage_reuses_the_graphs_a_patch_captured_for_the_eager_check(
     from fusionscope.apply import rewrite
     from fusionscope.apply.patching import patch
 
+    torch._dynamo.reset()  # counted from dynamo's initial state: code compiled by an earlier test would be reused
     model, ids = tiny
     captures: list[int] = []
     backend = rewrite.Rewriter.__call__

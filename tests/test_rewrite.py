@@ -337,6 +337,53 @@ def test_gelu_factory_patches_linear_act_and_add_layer_norm_on_the_graph(calls: 
         assert torch.equal(model(*inputs), ref)
 
 
+def test_a_factorys_forward_beside_torch_compile_and_fused_compile(calls: collections.Counter) -> None:
+    """A one-forward workload (no decode step for --graphs) is set beside torch.compile and fused + compile
+    (`apply.forward_compile`): each compiled forward stands in for the instance's forward only while it is checked
+    and timed, passes the eager model's numerics, and is timed with the eager baseline in the same rounds; fused +
+    compile runs the bundled kernels inside the compiled graph. On the CPU the path runs without Inductor ("eager")."""
+    from fusionscope.apply import numerics
+    from fusionscope.apply.forward_compile import BASELINE, COMPILE, FUSED_COMPILE, compare_compiled
+
+    torch.manual_seed(0)
+    workload = build_workload(resolve_model("examples/gelu_mlp.py:factory"), torch.device("cpu"), torch.float32)
+    model, inputs = workload.module.eval(), workload.inputs
+    nodes = dataflow.record_dataflow(workload)
+    sites = sites_by_fusion(m for m in find_matches(Graph(nodes.assign(op_id=-1))) if not m.rejected)
+    fused_sites = {f: sites[f] for f in ("linear_act", "add_layer_norm")}
+    ref = numerics.forward_reference(model, inputs)
+    with torch.inference_mode():
+        before = model(*inputs)
+    calls.clear()
+    result = compare_compiled(workload, fused_sites, ref, ref, numerics.compare(ref, ref), False, 2,
+                              lambda _msg: None, mode="eager")  # fmt: skip
+    rows = result["variants"]
+    assert set(rows) == {BASELINE, COMPILE, FUSED_COMPILE}
+    for name, row in rows.items():
+        assert row["passed"], (name, row)
+        assert len(row["wall_ms_rounds"]) == 2 and row["wall_ms"] > 0 and row["speedup_vs_eager"] > 0
+    assert rows[FUSED_COMPILE]["fusions"] == ["add_layer_norm", "linear_act"]
+    assert calls["linear_act"] >= 2 and calls["add_layer_norm"] >= 2, calls  # inside the compiled forward
+    assert result["fused_compile_vs_compile"] == rows[COMPILE]["wall_ms"] / rows[FUSED_COMPILE]["wall_ms"]
+    assert "forward" not in vars(model)  # the instance as it was
+    with torch.inference_mode():
+        assert torch.equal(model(*inputs), before)
+    from fusionscope.cli import out, print_compiled
+    from fusionscope.report.apply import compiled_table
+
+    page = compiled_table(result)
+    assert page.count("passed: ") == 3 and "fused + compile vs torch.compile" in page
+    with out.capture() as terminal:
+        print_compiled(result)
+    assert "fused + compile vs torch.compile" in terminal.get() and "torch.compile" in terminal.get()
+
+    torch._dynamo.reset()
+    nothing = compare_compiled(workload, {}, ref, ref, numerics.compare(ref, ref), False, 1, lambda _msg: None,
+                               mode="eager")  # fmt: skip
+    assert not nothing["variants"][FUSED_COMPILE]["passed"] and "binds" in nothing["variants"][FUSED_COMPILE]["reason"]
+    assert nothing["variants"][COMPILE]["wall_ms"] > 0 and nothing["fused_compile_vs_compile"] is None
+
+
 # ------------------------------------------------------------------------------------------------------------ fallback
 
 

@@ -532,7 +532,26 @@ def run_apply(
     result["rows"] = variant_rows(result["timing"], fusion_rows)
     if graphs:
         result["graphs"] = graph_variants(*graph_args, timing=result["timing"])
+    if forward_only:  # no decode step for --graphs: the forward beside torch.compile (`forward_compile`)
+        from fusionscope.apply.forward_compile import compare_compiled
+
+        result["compiled"] = compare_compiled(workload, compile_sites(summary, passing), ref, ref32, eager_raw,
+                                              real_weights, repeats, note)  # fmt: skip
     return result
+
+
+def compile_sites(summary: dict, fusions: list[str]) -> dict[str, list[str]]:
+    """{fusion: paths} of `fusions` that fused + compile rewrites into the graph Inductor compiles: those whose module
+    can `bind` a match."""
+    from fusionscope.apply.patching import fusion_modules
+
+    rewritable = [f for f in fusions if hasattr(fusion_modules().get(f), "bind")]
+    sites = sites_to_patch(summary.get("opportunities", []), rewritable)[0] if rewritable else {}
+    if sites and "gemv" in sites and set(fusions) & set(WEIGHT_FUSING):
+        # qkv and gate_up concatenate weights when patched, which the graph torch.compile compiles cannot hold:
+        # there the GEMV takes every one-row Linear the finder matches on the captured graph, theirs included
+        sites["gemv"] = []
+    return sites
 
 
 def graph_variants(workload: Any, summary: dict, passing: list[str], enter: Callable[[list[str]], Any], ref: Any,
@@ -547,7 +566,6 @@ def graph_variants(workload: Any, summary: dict, passing: list[str], enter: Call
     takes no part. `kernels_csv` (the profile's kernel table) is what the graph alone's replayed step is compared
     with (`step_drift`): the predictions' baseline."""
     from fusionscope.apply import graphs, step_drift
-    from fusionscope.apply.patching import fusion_modules
 
     together = [f for f in passing if f != "sampling"]
     eager_ms = None
@@ -556,12 +574,7 @@ def graph_variants(workload: Any, summary: dict, passing: list[str], enter: Call
     variants = {graphs.GRAPH: [], **{f"{f} + graph": [f] for f in together if each}}
     if together:
         variants[graphs.FUSED_GRAPH] = together
-    rewritable = [f for f in together if hasattr(fusion_modules().get(f), "bind")]
-    fused_sites = sites_to_patch(summary.get("opportunities", []), rewritable)[0] if rewritable else None
-    if fused_sites and "gemv" in fused_sites and set(together) & set(WEIGHT_FUSING):
-        # qkv and gate_up concatenate weights when patched, which the graph torch.compile compiles cannot hold:
-        # there the GEMV takes every one-row Linear the finder matches on the captured graph, theirs included
-        fused_sites["gemv"] = []
+    fused_sites = compile_sites(summary, together) or None
     out = graphs.run_graphs(workload, variants, enter, ref, ref32, eager_raw, real_weights, repeats,
                             summary.get("roofs"), eager_ms, note, fused_sites)  # fmt: skip
     if not each and together:  # say which variants were not measured

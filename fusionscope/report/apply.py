@@ -184,6 +184,20 @@ def graphs_table(graphs: Mapping[str, Any]) -> str:
     return _table(head, rows, "table-apply-graphs") + note
 
 
+def compiled_table(compiled: Mapping[str, Any]) -> str:
+    """A one-forward workload beside torch.compile (`apply.forward_compile`): per variant the forward's wall ms
+    (median of interleaved rounds), × eager, first call, peak memory and the check."""
+    head = ["variant", "wall ms", "× eager", "first call s", "peak MiB", "check"]
+    rows = []
+    for name, row in (compiled.get("variants") or {}).items():
+        check = ("passed: " if row.get("passed") else "not timed: ") + text_or_dash(row.get("reason"))
+        rows.append([html.escape(name), _num(row.get("wall_ms"), ".2f"), _num(row.get("speedup_vs_eager"), ".3f"),
+                     _num(row.get("first_call_s"), ".1f"), _num(row.get("peak_mib"), ".0f"),
+                     html.escape(check)])  # fmt: skip
+    line = f"fused + compile vs torch.compile {_num(compiled.get('fused_compile_vs_compile'), '.3f')}×."
+    return _table(head, rows, "table-apply-compiled") + f'<p class="note">{html.escape(line)}</p>'
+
+
 def breakdown_table(graphs: Mapping[str, Any]) -> str:
     """Where the fused (else the unfused) replayed step's kernel time goes, per launching op and kernel."""
     for name in ("fused + graph", "graph"):

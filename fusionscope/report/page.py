@@ -20,6 +20,7 @@ from plotly.offline import get_plotlyjs
 from . import assets
 from .apply import (
     breakdown_table,
+    compiled_table,
     graphs_figure,
     graphs_table,
     numerics_table,
@@ -264,6 +265,7 @@ def _apply_sections(summary: Mapping[str, Any]) -> list[str]:
             "apply-timing",
         ),
         *_graphs_section(_mapping(result.get("graphs"))),
+        *_compiled_section(_mapping(result.get("compiled"))),
     ]
 
 
@@ -284,6 +286,22 @@ def _graphs_section(graphs: Mapping[str, Any]) -> list[str]:
             "cache read once at the measured copy bandwidth).",
             graphs_table(graphs) + chart + breakdown_table(graphs),
             "apply-graphs",
+        )
+    ]
+
+
+def _compiled_section(compiled: Mapping[str, Any]) -> list[str]:
+    """A one-forward workload's forward beside torch.compile and fused + compile (none where it was not run)."""
+    if not compiled:
+        return []
+    return [
+        _section(
+            "Applied: the forward beside torch.compile",
+            f"The forward compiled by Inductor ({compiled.get('mode')}), unpatched and with the fusions rewritten into "
+            "its graph, each checked against the eager model before its time counts and timed with the eager "
+            "forward in the same interleaved rounds.",
+            compiled_table(compiled),
+            "apply-compiled",
         )
     ]
 
