@@ -5,7 +5,9 @@ Time now is measured: the kernels of the group's ops in the timed pass (a node o
 ops nested inside it, `dataflow.op_owners`). Fused time is analytic: max(bytes / copy bandwidth, FLOPs / peak) plus
 a floor for one launch on the GPU (the 5th percentile of the run's kernel durations: what the shortest kernels cost
 here). Fused bytes are counted on the dataflow: every tensor entering the group read once, every tensor leaving it
-— the intended outputs and any intermediate read outside the group — written once. An in-place row write into a
+— the intended outputs and any intermediate read outside the group — written once. Time now also holds the nodes
+the group's replacement leaves without a reader (`Match.dropped`: a mask only the attention read), and their
+outputs are not charged as read. An in-place row write into a
 buffer (`index_copy_(cache, dim, slots, rows)`, a static KV cache's update) moves its rows, not the buffer: its
 destination is not charged as read, and its output is charged at the rows' size (`ROW_WRITES`).
 """
@@ -53,17 +55,18 @@ ROW_WRITES = {"aten::index_copy_": 2}
 
 
 def fused_bytes(nodes: dict[str, dict], match: Match, outputs: set[int]) -> int:
-    """Bytes a fused kernel must move for `match`: external inputs once each, intended and escaping outputs once.
+    """Bytes a fused kernel must move for `match` (its nodes and what its binding takes too, `Match.replaced`): external
+    inputs once each, except those only dropped nodes made, intended and escaping outputs once.
     `nodes` maps a column name to {node id: value} (see `node_columns`)."""
-    group = set(match.nodes)
+    group, unread = set(match.replaced), _unread(nodes, match)
     seen: set[tuple] = set()
     total = 0
-    for n in match.nodes:
+    for n in match.replaced:
         rows = ROW_WRITES.get(nodes["name"][n])
         for i, (producer, shape, dtype) in enumerate(
             zip(nodes["inputs"][n], nodes["input_shapes"][n], nodes["input_dtypes"][n])
         ):
-            if producer in group or (rows is not None and i == 0):
+            if producer in group or producer in unread or (rows is not None and i == 0):
                 continue
             key = (producer, tuple(shape)) if producer >= 0 else (n, i)
             if key not in seen:
@@ -78,10 +81,26 @@ def fused_bytes(nodes: dict[str, dict], match: Match, outputs: set[int]) -> int:
     return total
 
 
+def _unread(nodes: dict[str, dict], match: Match) -> set[int]:
+    """The dropped nodes whose outputs the fused kernel does not read: those computing something, and views of them. A
+    dropped view of anything else (a Linear's `t` of its weight, which the kernel reads untransposed) still hands
+    over bytes the kernel reads."""
+    dropped, is_view, inputs = set(match.dropped), nodes["is_view"], nodes["inputs"]
+    unread = set()
+    for n in match.dropped:
+        source = n
+        while source in dropped and is_view[source] and inputs[source]:
+            source = inputs[source][0]
+        if source in dropped and not is_view[source]:
+            unread.add(n)
+    return unread
+
+
 def _group_outputs(consumers: dict[int, tuple], match: Match) -> set[int]:
-    """Nodes of the group whose output leaves it (read outside, or read by nobody: a model output)."""
-    group = set(match.nodes)
-    return {n for n in match.nodes if not consumers[n] or not set(consumers[n]) <= group}
+    """Nodes of the group (with what its binding takes too) whose output leaves it (read outside, or read by nobody: a
+    model output)."""
+    group = set(match.replaced)
+    return {n for n in match.replaced if not consumers[n] or not set(consumers[n]) <= group}
 
 
 _NODE_COLUMNS = ("name", "inputs", "input_shapes", "input_dtypes", "output_shapes", "output_dtypes", "consumers",
@@ -172,7 +191,7 @@ def estimate_matches(matches: list[Match], joined: pd.DataFrame, ops: pd.DataFra
     for match in matches:
 
         def total(col: str, match: Match = match) -> float:
-            values = (node_sums[col].get(n) for n in match.nodes)
+            values = (node_sums[col].get(n) for n in match.counted)
             return float(sum(v for v in values if v is not None and v == v))
 
         fixed = fixed_figures(match, nodes, peaks)
@@ -182,8 +201,8 @@ def estimate_matches(matches: list[Match], joined: pd.DataFrame, ops: pd.DataFra
             "t_now_us": total("dur_us"), "bytes_now": total("bytes"), "launches_now": int(total("launches")),
             "t_fused_us": max(fixed.bytes_fused / bandwidth, flops / (fixed.peak * 1e6)) + floor_us,
             "bytes_fused": fixed.bytes_fused, "launches_fused": 1,
-            "ops_now": int(sum(ops_per_node.get(n, 0) for n in match.nodes)),
-            "host_now_us": host.group_us(list(match.nodes)),
+            "ops_now": int(sum(ops_per_node.get(n, 0) for n in match.counted)),
+            "host_now_us": host.group_us(list(match.counted)),
             "escaping": len(match.escaping), "unjoined": fixed.unjoined, "rejected": match.rejected,
         })  # fmt: skip
     return pd.DataFrame(rows)

@@ -201,9 +201,9 @@ def _templates(matches: list[Match], nodes: pd.DataFrame, rep_ops: pd.DataFrame,
     columns = opportunities.node_columns(nodes)
     peaks = {k: v for k, v in (roofs.get("tflops") or {}).items() if v}
     host = opportunities.HostSpans(rep_ops, owner_rep)
-    terms = [host.terms(list(m.nodes)) for m in matches]
+    terms = [host.terms(list(m.counted)) for m in matches]
     # each kind of place looked up once for all matches: an index look-up per match cost more than the match
-    places = _looked_up(pd.Index(nodes["node"].to_numpy()), [list(m.nodes) for m in matches])
+    places = _looked_up(pd.Index(nodes["node"].to_numpy()), [list(m.counted) for m in matches])
     outer_rows = _looked_up(row_of_op, [outer for outer, _gaps in terms])
     gap_rows = _looked_up(row_of_op, [[op for pair in gaps for op in pair] for _outer, gaps in terms])
     out = []

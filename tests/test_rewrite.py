@@ -165,6 +165,49 @@ def test_graph_patch_covers_every_bind_site_on_each_family(family: str) -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_what_the_rewrite_removes_is_what_the_estimate_counts(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The estimate counts, per match, the nodes the rewrite of a captured graph removes (`Match.counted`): the group,
+    what its binding takes beyond it (a partial rotary's re-join, a static cache's writes) and what is then left
+    without a reader (the attention's mask). On every family's prefill and decode graphs under a static cache, every
+    node counted is one the rewrite removed, and what it removed without counting is at most the two `arange`s whose
+    readers the recorder cannot see (a captured graph's `detach` of the mask's positions, read by nobody recorded)."""
+    from fusionscope.apply import numerics, rewrite
+
+    seen: list[tuple[set[int], set[int], Graph]] = []
+    original = rewrite.rewrite_graph
+
+    def recording(gm, fakes, prefix, sites, results, root=""):
+        traced = rewrite.trace_dataflow(gm, fakes, prefix, root)
+        graph = Graph(traced.nodes)
+        matches = [m for m in find_matches(graph, among=sites) if not m.rejected]
+        original(gm, fakes, prefix, sites, results, root)
+        alive, ids = set(gm.graph.nodes), traced.nodes["node"].tolist()
+        views = graph.column("is_view", False)
+        removed = {ids[row] for row, node in traced.row_fx.items() if node is not None and node not in alive}
+        counted = {n for m in matches if not sites[m.fusion] or m.anchor_module in sites[m.fusion] for n in m.counted}
+        seen.append(({n for n in removed if not views[n]}, {n for n in counted if not views[n]}, graph))
+
+    monkeypatch.setattr(rewrite, "rewrite_graph", recording)
+    torch.manual_seed(0)
+    workload = build_workload(resolve_model(family), torch.device("cpu"), torch.float32, prompt_len=8,
+                              decode_steps=2, cache="static")  # fmt: skip
+    model, ids = workload.module.eval(), workload.inputs[0]
+    sites = find_sites(model)
+    where = [{"fusion": f, "module_paths": sites[f]} for f in BIND & set(sites)]
+    with patch(model, where, example=lambda patched: numerics.reference(patched, ids, 2, cache="static")) as r:
+        assert r.capture == "" and r.skipped == {}, (r.capture, r.skipped)
+    assert len(seen) == 2  # the prompt's graph and the decode step's
+    beyond = 0
+    for removed, counted, graph in seen:
+        assert counted and counted <= removed, collections.Counter(graph.name[n] for n in counted - removed)
+        missed = collections.Counter(graph.name[n] for n in removed - counted)
+        assert set(missed) <= {"aten::arange"} and missed["aten::arange"] <= 2, missed
+        matched = {n for m in find_matches(graph) if not m.rejected for n in m.nodes}
+        beyond += len(counted - matched)
+    assert beyond > 0  # what the matches alone would have left out, counted now
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_every_bind_fusion_including_decode_attention_on_a_static_cache(family: str, calls) -> None:
     """Under transformers' static cache (what `apply --graphs` runs) decode_attention joins the graph patch too: every
     fusion the finder found that can bind is patched at every site, one decode_attention launch per layer and decode

@@ -5,6 +5,7 @@ from the step it captures."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -128,3 +129,39 @@ def test_rope_on_a_static_cache_takes_its_writes_and_counter_and_counts_rows_not
         caches = sum(math.prod(columns["output_shapes"][n][0]) * 4 for n in match.nodes
                      if graph.name[n] == "aten::index_copy_")  # fmt: skip
         assert 0 < written < caches / 2, (written, caches)  # a few rows of a 24-row cache, not the cache twice over
+
+
+def test_what_a_replacement_drops_is_counted_and_what_its_kernel_reads_is_charged() -> None:
+    """Replacing a static cache's attention leaves its mask without a reader: the mask's `where` is dropped with the
+    match (`Match.dropped`, counted as removed) and its bytes are not charged to the kernel. A GEMV's weight reaches
+    its matmul through a `t` view that the replacement drops too, but the kernel still reads the weight: its bytes
+    stay charged. Partial rotary's re-join and the cache's writes (Phi-3) are rope's binding's, so `Match.bound`."""
+    from fusionscope import dataflow
+    from fusionscope.fusions import Graph, find_matches
+    from fusionscope.opportunities import _group_outputs, fused_bytes, node_columns
+
+    workload = models.build_workload(models.resolve_model("tiny-phi3"), torch.device("cpu"), torch.float32,
+                                     prompt_len=8, decode_steps=2, cache="static")  # fmt: skip
+    nodes = dataflow.record_dataflow(workload).assign(op_id=-1)
+    graph = Graph(nodes)
+    columns = node_columns(nodes)
+    decode = [m for m in find_matches(graph) if m.phase == "decode"]
+    attention = [m for m in decode if m.fusion == "decode_attention"]
+    assert attention and all("aten::where" in {graph.name[n] for n in m.dropped} for m in attention)
+    for match in attention:
+        outputs = _group_outputs(columns["consumers"], match)
+        kept = dataclasses.replace(match, dropped=())
+        assert fused_bytes(columns, match, outputs) < fused_bytes(columns, kept, outputs)  # the mask is not read
+    rope = [m for m in decode if m.fusion == "rope"]
+    assert rope
+    for match in rope:
+        bound = collections.Counter(graph.name[n] for n in match.bound)
+        assert bound["aten::cat"] == 2 and bound["aten::index_copy_"] == 2, bound
+    counted = [n for m in decode for n in m.counted]
+    assert len(counted) == len(set(counted))  # no node counted by two matches
+    assert not any(columns["name"][n].endswith("_") for m in decode for n in m.dropped)  # no in-place write dropped
+    for match in (m for m in decode if m.fusion == "gemv"):
+        assert any(graph.name[n] == "aten::t" for n in match.dropped), match
+        mm = next(n for n in match.nodes if graph.name[n] in ("aten::mm", "aten::addmm", "aten::linear"))
+        weight = max(math.prod(shape) for shape in columns["input_shapes"][mm]) * 4
+        assert fused_bytes(columns, match, _group_outputs(columns["consumers"], match)) >= weight, match

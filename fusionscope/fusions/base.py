@@ -27,6 +27,21 @@ class Match:
     anchor_module: str
     escaping: tuple[int, ...] = ()  # nodes inside the group whose output is also read outside it
     rejected: str = ""  # non-empty: why this group cannot be fused as is
+    # what replacing the group removes besides it (`fusionscope.fusions.replaced_with`): `bound`, nodes its kernel's
+    # binding takes too (a static cache's writes, a partial rotary's re-join), whose work the kernel does; `dropped`,
+    # nodes left without a reader (a mask only the attention read), whose work nobody does
+    bound: tuple[int, ...] = ()
+    dropped: tuple[int, ...] = ()
+
+    @property
+    def replaced(self) -> tuple[int, ...]:
+        """The nodes the fused kernel does the work of: the group and what its binding takes too."""
+        return self.nodes + self.bound if self.bound else self.nodes
+
+    @property
+    def counted(self) -> tuple[int, ...]:
+        """The nodes whose time, launches and host ops the fused kernel removes."""
+        return self.replaced + self.dropped if self.dropped else self.replaced
 
 
 def rows_and_width(shape: tuple[int, ...] | None) -> tuple[int, int] | None:

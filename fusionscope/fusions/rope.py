@@ -21,11 +21,12 @@ part only: unfused ≈ 14·(H + K)·d·s (mul, 2 slices read, neg, cat, mul, add
 
 Not in the group (misses): the cos/sin generation in `model.rotary_emb` (arange/mul/cat/cos/sin/casts, once per step
 and shared by all layers), the q/k/v projections and head-split views before the chains, partial rotary's split
-and re-join (`X[..., :Dr]`, `cat([rotated, X[..., Dr:]], -1)`: an extra copy per tensor, which the estimate leaves
-out, so it under-counts the win there; the graph patch does take it, see `bind`), GPT-NeoX/GPT-J interleaved
-rotation, and Qwen3's q/k norms before the rope — those stay separate ops. (The split stays out of the match because
-analyze's op-order inference cannot yet tell which of a fused qkv projection's three equal-width slices a
-partial-rotary split reads; the match must be the same there.)
+and re-join (`X[..., :Dr]`, `cat([rotated, X[..., Dr:]], -1)`: an extra copy per tensor; the graph patch takes
+it, see `bind`, and so the estimate counts it, as `Match.bound`, where the recorded dataflow lets `bind` see it),
+GPT-NeoX/GPT-J interleaved rotation, and Qwen3's q/k norms before the rope — those stay separate ops. (The split
+stays out of the match because analyze's op-order inference cannot yet tell which of a fused qkv projection's three
+equal-width slices a partial-rotary split reads; the match must be the same there, and analyze's estimate of a
+partial rotary leaves the re-join out.)
 """
 
 from __future__ import annotations
