@@ -184,7 +184,10 @@ def graph_timer(calls: Sequence[Call]) -> tuple[Callable[[], float], dict[str, A
             torch.cuda.synchronize()
         error = f"{type(exc).__name__}: {exc}"[:1000]
         return (lambda: bench_us(calls[0])), {"timing": "do_bench", "calls": 1, "copies": 1, "graph_error": error}
-    return (lambda: replay_us(graph, n)), {"timing": "cuda_graph", "calls": n, "copies": len(calls)}
+    # the timer holds `calls` too: the graph writes into the buffers their closures own (outputs, a workspace), which
+    # must outlive it; once freed and reused, a replay writes into another tensor's memory, or into memory the
+    # allocator gave back (an illegal address: the Gluon check's first GPU run, reports/w4a16/gluon/)
+    return (lambda calls=calls: replay_us(graph, n)), {"timing": "cuda_graph", "calls": n, "copies": len(calls)}
 
 
 def wall_timer(calls: Sequence[Call]) -> tuple[Callable[[], float], dict[str, Any]]:
