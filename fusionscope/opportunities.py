@@ -5,11 +5,12 @@ Time now is measured: the kernels of the group's ops in the timed pass (a node o
 ops nested inside it, `dataflow.op_owners`). Fused time is analytic: max(bytes / copy bandwidth, FLOPs / peak) plus
 a floor for one launch on the GPU (the 5th percentile of the run's kernel durations: what the shortest kernels cost
 here). Fused bytes are counted on the dataflow: every tensor entering the group read once, every tensor leaving it
-— the intended outputs and any intermediate read outside the group — written once. Time now also holds the nodes
-the group's replacement leaves without a reader (`Match.dropped`: a mask only the attention read), and their
-outputs are not charged as read. An in-place row write into a
-buffer (`index_copy_(cache, dim, slots, rows)`, a static KV cache's update) moves its rows, not the buffer: its
-destination is not charged as read, and its output is charged at the rows' size (`ROW_WRITES`).
+— the intended outputs and any intermediate read outside the group — written once. The group is the match's nodes
+and what its kernel's binding takes too (`Match.bound`: a static cache's writes, a partial rotary's re-join); time
+now also holds the nodes its replacement leaves without a reader (`Match.dropped`: a mask only the attention read),
+whose outputs are not charged as read. An in-place row write into a buffer (`index_copy_(cache, dim, slots, rows)`,
+a static KV cache's update) moves its rows, not the buffer: its destination is not charged as read, and its output
+is charged at the rows' size (`ROW_WRITES`).
 """
 
 from __future__ import annotations
